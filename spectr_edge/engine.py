@@ -1,0 +1,215 @@
+"""The decoding loops: target-only, and SpecTr speculative steps (SPECTR.md section 2).
+
+Cache invariant between steps (both loops): `ids` is every committed token (prompt + output);
+the target cache holds ids[:-1], the last committed token is fed at the start of the next
+target call. The draft cache holds ids[:draft_seen]; the draft catches up on the rest
+(one or two tokens) at the start of its next step.
+
+Each loop is a generator that yields the list of tokens committed by each step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from . import selection
+from .onnx_model import OnnxLM
+from .sampling import SamplingParams, greedy_token, logits_to_probs, sample
+from .stats import GenerationStats
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams
+    num_candidates: int          # 0 = target only
+    draft_len: int
+    eos_ids: frozenset[int]
+
+
+class Engine:
+    """Target-only and speculative decoding over one target and an optional draft."""
+
+    def __init__(self, target: OnnxLM, draft: OnnxLM | None, vocab_size: int):
+        self.target, self.draft, self.vocab_size = target, draft, vocab_size
+        self.context_length = target.spec.context_length
+        if draft is not None:
+            self.context_length = min(self.context_length, draft.spec.context_length)
+
+    # -- one token from one row of logits, exactly as plain sampling does it ---------------------
+    def _choose(self, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:
+        if sampling.greedy:
+            return int(greedy_token(logits, self.vocab_size))
+        return int(sample(logits_to_probs(logits, sampling, self.vocab_size), rng))
+
+    def run(self, req: DecodeRequest, rng: np.random.Generator, stats: GenerationStats) -> Iterator[list[int]]:
+        """Yield committed tokens step by step until max_new_tokens, eos or the end of the context."""
+        loop = self._speculative if req.num_candidates > 0 else self._target_only
+        emitted = 0
+        for tokens in loop(req, rng, stats):
+            tokens = tokens[:req.max_new_tokens - emitted]
+            for i, tok in enumerate(tokens):
+                if tok in req.eos_ids:       # tokens after eos are never shown
+                    tokens, stats.stop_reason = tokens[:i + 1], "eos"
+                    break
+            emitted += len(tokens)
+            yield tokens
+            if stats.stop_reason == "eos":
+                return
+            if emitted >= req.max_new_tokens:
+                stats.stop_reason = "max_new_tokens"
+                return
+        stats.stop_reason = stats.stop_reason or "context"
+
+    def _prefill(self, req, rng, stats) -> tuple[list[int], object]:
+        """Run the prompt through the target; return ids with the first new token, and the cache."""
+        cache = self.target.new_cache()
+        logits = self.target.forward(np.asarray([req.prompt_ids], dtype=np.int64), cache)  # [1, P, W]
+        stats.target_calls += 1
+        t0 = time.perf_counter()
+        first = self._choose(logits[0, -1], req.sampling, rng)
+        stats.seconds_select += time.perf_counter() - t0
+        return list(req.prompt_ids) + [first], cache
+
+    def _target_only(self, req, rng, stats) -> Iterator[list[int]]:
+        ids, cache = self._prefill(req, rng, stats)
+        yield [ids[-1]]
+        while len(ids) < self.context_length:
+            logits = self.target.forward(np.asarray([[ids[-1]]], dtype=np.int64), cache)  # [1, 1, W]
+            stats.target_calls += 1
+            t0 = time.perf_counter()
+            ids.append(self._choose(logits[0, -1], req.sampling, rng))
+            stats.seconds_select += time.perf_counter() - t0
+            yield [ids[-1]]
+
+    # -- speculative decoding ---------------------------------------------------------------
+    def _speculative(self, req, rng, stats) -> Iterator[list[int]]:
+        ids, t_cache = self._prefill(req, rng, stats)
+        yield [ids[-1]]
+        d_cache, draft_seen = self.draft.new_cache(), 0
+        # a greedy draft is deterministic: k candidates would all be the same row
+        num_candidates = 1 if req.sampling.greedy else req.num_candidates
+        stats.num_candidates, stats.draft_len = num_candidates, req.draft_len
+        stats.reached, stats.accepted_at = [0] * req.draft_len, [0] * req.draft_len
+        emitted = 1
+        while len(ids) < self.context_length:
+            # a step emits up to L + 1 tokens; never draft past the budget or the context
+            draft_len = min(req.draft_len, req.max_new_tokens - emitted - 1, self.context_length - len(ids) - 1)
+            if draft_len < 1:
+                tokens = self._plain_step(ids, t_cache, req, rng, stats)
+            else:
+                tokens, draft_seen = self._spec_step(ids, t_cache, d_cache, draft_seen, num_candidates,
+                                                     draft_len, req, rng, stats)
+            ids.extend(tokens)
+            emitted += len(tokens)
+            yield tokens
+
+    def _plain_step(self, ids, t_cache, req, rng, stats) -> list[int]:
+        logits = self.target.forward(np.asarray([[ids[-1]]], dtype=np.int64), t_cache)
+        stats.target_calls += 1
+        t0 = time.perf_counter()
+        tok = self._choose(logits[0, -1], req.sampling, rng)
+        stats.seconds_select += time.perf_counter() - t0
+        return [tok]
+
+    def _draft(self, ids, d_cache, draft_seen, num_candidates, draft_len, sampling, rng, stats):
+        """1. Draft: num_candidates i.i.d. continuations of draft_len tokens, one batch of rows.
+
+        Returns tokens # [k, L] and, when sampling, the processed draft probs they were drawn
+        from # [k, L, W] (None when greedy).
+        """
+        catch_up = np.asarray([ids[draft_seen:]], dtype=np.int64)            # [1, unseen]
+        logits = self.draft.forward(catch_up, d_cache)[:, -1]                 # [1, W]
+        tokens = np.empty((num_candidates, draft_len), dtype=np.int64)        # [k, L]
+        probs = None
+        for j in range(draft_len):
+            if j > 0:
+                logits = self.draft.forward(tokens[:, j - 1:j], d_cache)[:, 0]  # [k, W]
+            t0 = time.perf_counter()
+            if sampling.greedy:
+                tokens[:, j] = greedy_token(logits, self.vocab_size)
+            else:
+                p = logits_to_probs(logits, sampling, self.vocab_size)         # [1 or k, W]
+                if probs is None:
+                    probs = np.empty((num_candidates, draft_len, p.shape[-1]), dtype=p.dtype)
+                probs[:, j] = p
+                tokens[:, j] = sample(np.broadcast_to(p, (num_candidates, p.shape[-1])), rng)
+            stats.seconds_select += time.perf_counter() - t0
+            if j == 0:
+                d_cache.repeat_rows(num_candidates)
+        stats.draft_calls += draft_len
+        return tokens, probs
+
+    def _spec_step(self, ids, t_cache, d_cache, draft_seen, num_candidates, draft_len, req, rng, stats):
+        sampling = req.sampling
+        # 1. draft
+        drafts, draft_probs = self._draft(ids, d_cache, draft_seen, num_candidates, draft_len,
+                                          sampling, rng, stats)
+        # 2. score every distinct candidate row in one target call
+        rows, row_of = np.unique(drafts, axis=0, return_inverse=True)         # [u, L], [k]
+        row_of = row_of.reshape(-1)
+        t_cache.repeat_rows(len(rows))
+        last = np.full((len(rows), 1), ids[-1], dtype=np.int64)
+        target_logits = self.target.forward(np.concatenate([last, rows], axis=1), t_cache)  # [u, L+1, W]
+        stats.target_calls += 1
+        stats.steps += 1
+        # 3. select
+        t0 = time.perf_counter()
+        tokens, survivor = select_sequence(drafts, draft_probs, target_logits, row_of, sampling,
+                                           self.vocab_size, rng)
+        stats.seconds_select += time.perf_counter() - t0
+        accepted = len(tokens) - 1
+        stats.drafted += draft_len
+        stats.accepted += accepted
+        for j in range(min(accepted + 1, draft_len)):
+            stats.reached[j] += 1
+        for j in range(accepted):
+            stats.accepted_at[j] += 1
+        # 4. commit: keep the surviving row, crop both caches to what they saw of the accepted path
+        t_cache.keep_row(int(row_of[survivor]))
+        t_cache.crop(len(ids) + accepted)                 # ids[:-1] + ids[-1] + accepted tokens
+        draft_seen = len(ids) + min(accepted, draft_len - 1)
+        d_cache.keep_row(survivor)
+        d_cache.crop(draft_seen)
+        return tokens, draft_seen
+
+
+def select_sequence(drafts, draft_probs, target_logits, row_of, sampling, vocab_size, rng):
+    """3. Sequence-level SpecTr selection over k candidate rows (SPECTR.md section 2).
+
+    drafts        # [k, L] candidate tokens (i.i.d. rows)
+    draft_probs   # [k, L, W] processed draft probs each token was drawn from (None if greedy)
+    target_logits # [u, L+1, W] target logits for the distinct rows; row_of # [k] maps candidate -> row
+    Returns (emitted tokens: accepted prefix + one residual/bonus token, index of a surviving candidate).
+    Survivors share the accepted prefix, so p and q at position j are the same for all of them.
+    """
+    num_candidates, draft_len = drafts.shape
+    survivors = np.arange(num_candidates)
+    out: list[int] = []
+    for j in range(draft_len):
+        row = row_of[survivors[0]]
+        if sampling.greedy:
+            best = int(greedy_token(target_logits[row, j], vocab_size))
+            out.append(best)
+            if drafts[survivors[0], j] != best:
+                return out, int(survivors[0])
+            continue
+        target_probs = logits_to_probs(target_logits[row, j], sampling, vocab_size)   # [W]
+        token, picked = selection.kseq_select(drafts[survivors, j], draft_probs[survivors[0], j],
+                                              target_probs, rng)
+        out.append(int(token))
+        if picked is None:                               # residual sample: the step ends here
+            return out, int(survivors[0])
+        survivors = survivors[drafts[survivors, j] == token]
+    # 4. bonus token: every position accepted, sample from q after the last draft token
+    row = row_of[survivors[0]]
+    if sampling.greedy:
+        out.append(int(greedy_token(target_logits[row, draft_len], vocab_size)))
+    else:
+        out.append(int(sample(logits_to_probs(target_logits[row, draft_len], sampling, vocab_size), rng)))
+    return out, int(survivors[0])

@@ -1,0 +1,155 @@
+"""The Python API: `load()` a bundle, then `generate`, `stream` or `generate_ids`."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from .bundle import Bundle, read_bundle
+from .engine import DecodeRequest, Engine
+from .errors import InputError
+from .onnx_model import OnnxLM
+from .sampling import SamplingParams
+from .stats import GenerationStats
+from .text import TextCodec, TextStream
+
+# Best setting measured for the default bundle on a 2-core CPU (bench/RESULTS.md).
+DEFAULT_NUM_CANDIDATES = 1
+DEFAULT_DRAFT_LEN = 4
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InputError(message)
+
+
+class Generator:
+    """A loaded bundle: target (and draft) sessions, tokenizer, and the decoding engine."""
+
+    def __init__(self, bundle: Bundle, provider: str = "auto", draft_provider: str | None = None,
+                 threads: int | None = None, load_draft: bool = True):
+        self.bundle = bundle
+        self.codec = TextCodec(bundle.tokenizer)
+        self.target = OnnxLM(bundle.target, provider, threads)
+        self.draft = None
+        if load_draft and bundle.draft is not None:
+            self.draft = OnnxLM(bundle.draft, draft_provider or provider, threads, spinning=False)
+        self.engine = Engine(self.target, self.draft, bundle.tokenizer.vocab_size)
+
+    # -- the three entry points ---------------------------------------------------------------
+    def generate(self, prompt: str, **options) -> GenerationResult:
+        """Generate a completion of `prompt` (chat template applied when the bundle has one)."""
+        result = GenerationResult("", [])
+        for _ in self._stream(prompt, result, **options):
+            pass
+        return result
+
+    def stream(self, prompt: str, **options) -> Iterator[str]:
+        """Yield pieces of text as they are generated; same options as `generate`."""
+        yield from self._stream(prompt, GenerationResult("", []), **options)
+
+    def generate_ids(self, prompt_ids: list[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                     seed: int | None = None, rng: np.random.Generator | None = None,
+                     num_candidates: int | None = None, draft_len: int | None = None) -> GenerationResult:
+        """Generate from raw token ids (no chat template, no stop strings); text is decoded for convenience."""
+        result = GenerationResult("", [])
+        prompt_ids = [int(i) for i in prompt_ids]
+        for tokens in self._run(prompt_ids, result.stats, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rng=rng,
+                                num_candidates=num_candidates, draft_len=draft_len):
+            result.token_ids.extend(tokens)
+        result.text = self.codec.decode(result.token_ids)
+        return result
+
+    # -- internals ----------------------------------------------------------------------------
+    def _stream(self, prompt: str, result: GenerationResult, *, chat: bool | None = None,
+                stop: tuple[str, ...] | list[str] = (), **options) -> Iterator[str]:
+        if not isinstance(prompt, str):
+            raise InputError("the prompt must be a string; use generate_ids for token ids")
+        text = TextStream(self.codec, tuple(stop))
+        steps = self._run(self.codec.encode_prompt(prompt, chat), result.stats, **options)
+        try:
+            for tokens in steps:
+                result.token_ids.extend(tokens)
+                piece = text.push(tokens)
+                if piece:
+                    yield piece
+                if text.stopped:
+                    break
+        finally:
+            steps.close()   # settles the timing stats even when a stop string ended it early
+        if text.stopped:
+            result.stats.stop_reason = "stop"
+        piece = text.flush()
+        result.text = text.text
+        if piece:
+            yield piece
+
+    def _request(self, prompt_ids, max_new_tokens, temperature, top_k, top_p,
+                 num_candidates, draft_len) -> DecodeRequest:
+        _check(len(prompt_ids) > 0, "the prompt is empty; pass at least one token")
+        _check(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
+               f"max_new_tokens must be an integer >= 1 (got {max_new_tokens})")
+        _check(math.isfinite(temperature) and temperature >= 0,
+               f"temperature must be >= 0 (got {temperature}); use 0 for greedy decoding")
+        _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an integer >= 0 (got {top_k}); 0 turns it off")
+        _check(0 < top_p <= 1, f"top_p must be in (0, 1] (got {top_p}); 1 turns it off")
+        if num_candidates is None:
+            num_candidates = DEFAULT_NUM_CANDIDATES if self.draft is not None else 0
+        _check(isinstance(num_candidates, int) and num_candidates >= 0,
+               f"num_candidates must be an integer >= 0 (got {num_candidates}); 0 decodes with the target only")
+        _check(num_candidates == 0 or self.draft is not None,
+               "this bundle has no draft model (or it was not loaded); use num_candidates=0 / --no-draft, "
+               "or export a bundle with --draft")
+        draft_len = DEFAULT_DRAFT_LEN if draft_len is None else draft_len
+        _check(isinstance(draft_len, int) and draft_len >= 1, f"draft_len must be an integer >= 1 (got {draft_len})")
+        vocab = self.bundle.tokenizer.vocab_size
+        bad = [i for i in prompt_ids if not 0 <= i < vocab]
+        _check(not bad, f"prompt token id {bad[:1]} is outside the vocabulary [0, {vocab})")
+        context = self.engine.context_length
+        _check(len(prompt_ids) < context, f"the prompt is {len(prompt_ids)} tokens but the context is "
+               f"{context}; shorten the prompt")
+        return DecodeRequest(tuple(prompt_ids), max_new_tokens,
+                             SamplingParams(float(temperature), int(top_k), float(top_p)),
+                             num_candidates, draft_len, frozenset(self.bundle.tokenizer.eos_token_ids))
+
+    def _run(self, prompt_ids, stats: GenerationStats, *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+             temperature=0.0, top_k=0, top_p=1.0, seed=None, rng=None, num_candidates=None,
+             draft_len=None) -> Iterator[list[int]]:
+        req = self._request(prompt_ids, max_new_tokens, temperature, top_k, top_p, num_candidates, draft_len)
+        rng = rng if rng is not None else np.random.default_rng(seed)
+        stats.prompt_tokens = len(prompt_ids)
+        models = [m for m in (self.target, self.draft) if m is not None]
+        before = [m.seconds for m in models]
+        started = time.perf_counter()
+        try:
+            for tokens in self.engine.run(req, rng, stats):
+                if stats.new_tokens == 0:
+                    stats.seconds_first_token = time.perf_counter() - started
+                stats.new_tokens += len(tokens)
+                yield tokens
+        finally:
+            stats.seconds_total = time.perf_counter() - started
+            stats.seconds_target = self.target.seconds - before[0]
+            if self.draft is not None:
+                stats.seconds_draft = self.draft.seconds - before[1]
+
+
+def load(path: str | os.PathLike | None = None, provider: str = "auto", draft_provider: str | None = None,
+         threads: int | None = None, load_draft: bool = True) -> Generator:
+    """Load a bundle (default: models/default) with the given execution providers."""
+    return Generator(read_bundle(path), provider, draft_provider, threads, load_draft)

@@ -1,0 +1,140 @@
+"""The one module that talks to ONNX Runtime: providers, session options, and a model's forward call.
+
+A model is an exported causal LM with KV-cache I/O (names from the manifest, see docs/BUNDLE.md).
+`OnnxLM.forward` feeds new tokens after the cached past and replaces the cache with `present`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+
+from .bundle import ModelSpec
+from .errors import BundleError, ProviderError
+from .kv_cache import KVCache
+
+PROVIDER_NAMES = ("auto", "cpu", "cuda", "tensorrt")
+_ORT = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
+        "tensorrt": "TensorrtExecutionProvider"}
+_fallback_reported = False
+
+
+def _gpu_driver_present() -> bool:
+    """True when the CUDA driver library loads (onnxruntime-gpu lists CUDA even without a GPU)."""
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def available_providers() -> list[str]:
+    """Providers usable on this machine, in our spelling, best first."""
+    built = set(ort.get_available_providers())
+    usable = []
+    if _gpu_driver_present():
+        usable += [name for name in ("tensorrt", "cuda") if _ORT[name] in built]
+    return usable + ["cpu"]
+
+
+def provider_chain(provider: str) -> list[str]:
+    """ONNX Runtime provider list for one of PROVIDER_NAMES (TensorRT falls back to CUDA, CUDA to CPU per node)."""
+    if provider not in PROVIDER_NAMES:
+        raise ProviderError(f"unknown provider '{provider}'; choose one of {', '.join(PROVIDER_NAMES)}")
+    usable = available_providers()
+    if provider == "auto":
+        global _fallback_reported
+        if usable[0] == "cpu" and not _fallback_reported:
+            _fallback_reported = True
+            print("spectr-edge: no GPU provider available (TensorRT, CUDA); running on CPU", file=sys.stderr)
+        provider = usable[0]
+    elif provider not in usable:
+        raise ProviderError(f"provider '{provider}' was requested but is not available on this machine "
+                            f"(available: {', '.join(usable)}); use --provider auto or cpu")
+    chain = {"tensorrt": ["tensorrt", "cuda", "cpu"], "cuda": ["cuda", "cpu"], "cpu": ["cpu"]}[provider]
+    return [_ORT[name] for name in chain]
+
+
+def _session_options(threads: int | None, spinning: bool) -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        opts.intra_op_num_threads = threads
+    if not spinning:
+        # the draft alternates with the target on the same cores: a spinning draft pool steals them
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return opts
+
+
+class OnnxLM:
+    """One exported causal LM in one ONNX Runtime session."""
+
+    def __init__(self, spec: ModelSpec, provider: str = "auto", threads: int | None = None,
+                 spinning: bool = True):
+        self.spec = spec
+        chain = provider_chain(provider)
+        try:
+            self.session = ort.InferenceSession(str(spec.file), _session_options(threads, spinning),
+                                                providers=chain)
+        except Exception as err:  # onnxruntime raises its own Fail/InvalidProtobuf/NoSuchFile types
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise BundleError(f"the {spec.role} model {spec.file} could not be loaded, it is corrupt or "
+                              f"truncated ({first[:200]}); re-export the bundle") from None
+        if self.session.get_providers()[0] != chain[0]:
+            raise ProviderError(f"onnxruntime could not start {chain[0]} for the {spec.role} model "
+                                f"(got {self.session.get_providers()[0]}); use --provider cpu")
+        self.provider = chain[0].replace("ExecutionProvider", "")
+        self._check_io()
+        self.dtype = np.float16 if spec.dtype == "float16" else np.float32
+        self.seconds = 0.0   # wall time spent inside session.run
+        self.calls = 0
+
+    def _check_io(self) -> None:
+        spec = self.spec
+        have_in = {i.name for i in self.session.get_inputs()}
+        have_out = {o.name for o in self.session.get_outputs()}
+        want_in = [spec.input_ids, spec.attention_mask] + [n for kv in spec.past for n in kv]
+        if spec.position_ids:
+            want_in.append(spec.position_ids)
+        missing = [n for n in want_in if n not in have_in]
+        missing += [n for n in [spec.logits] + [n for kv in spec.present for n in kv] if n not in have_out]
+        if missing or len(spec.past) != spec.num_layers:
+            raise BundleError(f"the {spec.role} graph lacks the expected KV-cache inputs/outputs "
+                              f"({', '.join(missing[:3]) or 'layer count'}); export it with a KV cache "
+                              "(task text-generation-with-past) via spectr-edge export")
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+
+    def forward(self, input_ids: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Score `input_ids` # [batch, new] after the cache; returns logits # [batch, new, logits_width].
+
+        The cache must have the same batch; it is replaced by the call's `present` (past + new positions).
+        """
+        spec = self.spec
+        batch, new = input_ids.shape
+        past = cache.length
+        feeds = {spec.input_ids: np.ascontiguousarray(input_ids, dtype=np.int64),
+                 spec.attention_mask: np.ones((batch, past + new), dtype=np.int64)}  # [batch, past + new]
+        if spec.position_ids:
+            positions = np.arange(past, past + new, dtype=np.int64)
+            feeds[spec.position_ids] = np.broadcast_to(positions, (batch, new)).copy()  # [batch, new]
+        for (k_name, v_name), (k, v) in zip(spec.past, cache.layers):
+            feeds[k_name], feeds[v_name] = k, v
+        started = time.perf_counter()
+        outputs = self.session.run(self._output_names, feeds)
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+        cache.replace([(outputs[1 + 2 * i], outputs[2 + 2 * i]) for i in range(spec.num_layers)])
+        return outputs[0]
+
+    @property
+    def _output_names(self) -> list[str]:
+        return [self.spec.logits] + [n for kv in self.spec.present for n in kv]

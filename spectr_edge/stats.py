@@ -1,0 +1,80 @@
+"""What one generation did and where its time went."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    num_candidates: int = 0          # k actually used (0 = target only)
+    draft_len: int = 0               # L actually used
+    target_calls: int = 0            # prefill included
+    draft_calls: int = 0
+    steps: int = 0                   # speculative steps (one target call each)
+    drafted: int = 0                 # draft positions offered for verification (L per step)
+    accepted: int = 0                # draft tokens accepted
+    reached: list[int] = field(default_factory=list)       # steps that verified draft position j
+    accepted_at: list[int] = field(default_factory=list)   # steps that accepted draft position j
+    stop_reason: str = ""            # max_new_tokens | eos | stop | context
+    seconds_total: float = 0.0
+    seconds_first_token: float = 0.0
+    seconds_target: float = 0.0      # inside the target's session.run
+    seconds_draft: float = 0.0       # inside the draft's session.run
+    seconds_select: float = 0.0      # logits processing, sampling, selection
+
+    @property
+    def seconds_other(self) -> float:
+        return max(0.0, self.seconds_total - self.seconds_target - self.seconds_draft - self.seconds_select)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        """Tokens emitted per decode-phase target call (the prefill call and its token excluded)."""
+        calls = self.target_calls - 1
+        return (self.new_tokens - 1) / calls if calls > 0 else float(self.new_tokens > 0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds_total if self.seconds_total > 0 else 0.0
+
+    @property
+    def ms_per_token(self) -> float:
+        """Inter-token latency: decode time after the first token, per following token."""
+        if self.new_tokens < 2:
+            return 0.0
+        return 1000 * (self.seconds_total - self.seconds_first_token) / (self.new_tokens - 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for name in ("seconds_other", "acceptance_rate", "acceptance_per_position",
+                     "tokens_per_target_call", "tokens_per_second", "ms_per_token"):
+            d[name] = getattr(self, name)
+        return d
+
+    def summary(self) -> str:
+        """A few human lines for --stats."""
+        lines = [f"prompt {self.prompt_tokens} tokens, generated {self.new_tokens} tokens ({self.stop_reason})",
+                 f"time to first token {1000 * self.seconds_first_token:.1f} ms, "
+                 f"{self.ms_per_token:.1f} ms/token after it, {self.tokens_per_second:.2f} tokens/s overall"]
+        if self.num_candidates:
+            per_pos = " ".join(f"{r:.2f}" for r in self.acceptance_per_position)
+            lines.append(f"speculative: k={self.num_candidates} L={self.draft_len}, {self.steps} steps, "
+                         f"{self.tokens_per_target_call:.2f} tokens per target call, accepted "
+                         f"{self.accepted}/{self.drafted} drafted ({100 * self.acceptance_rate:.0f}%), "
+                         f"acceptance by position [{per_pos}]")
+        else:
+            lines.append("target only (no draft)")
+        lines.append(f"calls: target {self.target_calls}, draft {self.draft_calls}; time: target "
+                     f"{self.seconds_target:.2f} s, draft {self.seconds_draft:.2f} s, selection "
+                     f"{self.seconds_select:.2f} s, other {self.seconds_other:.2f} s")
+        return "\n".join(lines)
