@@ -89,13 +89,13 @@ class Engine:
 
     # -- speculative decoding ---------------------------------------------------------------
     def _speculative(self, req, rng, stats) -> Iterator[list[int]]:
-        ids, t_cache = self._prefill(req, rng, stats)
-        yield [ids[-1]]
-        d_cache, draft_seen = self.draft.new_cache(), 0
         # a greedy draft is deterministic: k candidates would all be the same row
         num_candidates = 1 if req.sampling.greedy else req.num_candidates
         stats.num_candidates, stats.draft_len = num_candidates, req.draft_len
         stats.reached, stats.accepted_at = [0] * req.draft_len, [0] * req.draft_len
+        ids, t_cache = self._prefill(req, rng, stats)
+        yield [ids[-1]]
+        d_cache, draft_seen = self.draft.new_cache(), 0
         emitted = 1
         while len(ids) < self.context_length:
             # a step emits up to L + 1 tokens; never draft past the budget or the context

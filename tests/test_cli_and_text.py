@@ -1,0 +1,136 @@
+"""The command line as a user runs it (subprocess), streaming text decode, stop strings,
+and the promise that the runtime never imports torch/transformers/optimum."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from spectr_edge.bundle import TokenizerSpec
+from spectr_edge.text import TextCodec, TextStream
+from toy_lm import build_toy_bundle
+
+CLI = [sys.executable, "-m", "spectr_edge.cli"]
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    return build_toy_bundle(tmp_path_factory.mktemp("toy") / "bundle", seed_target=21, seed_draft=22)
+
+
+def run_cli(*args, stdin=None):
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, input=stdin, timeout=120)
+
+
+def test_generate_streams_text_and_prints_stats(toy_dir):
+    res = run_cli("generate", "a b c", "--bundle", str(toy_dir), "--provider", "cpu", "-n", "8", "--stats")
+    assert res.returncode == 0, res.stderr
+    words = res.stdout.split()
+    assert len(words) == 8 and set(words) <= set("abcde")
+    assert "time to first token" in res.stderr and "tokens per target call" in res.stderr
+
+
+def test_generate_json_and_no_draft(toy_dir):
+    res = run_cli("generate", "a b", "--bundle", str(toy_dir), "--provider", "cpu", "-n", "5", "--json",
+                  "--no-draft")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert len(out["token_ids"]) == 5 and out["stats"]["num_candidates"] == 0 and out["stats"]["draft_calls"] == 0
+    spec = json.loads(run_cli("generate", "a b", "--bundle", str(toy_dir), "--provider", "cpu", "-n", "5",
+                              "--json", "-k", "1", "-L", "3").stdout)
+    assert spec["token_ids"] == out["token_ids"] and spec["stats"]["draft_calls"] > 0   # greedy equality
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-k", "-2"], "top_k must be an integer >= 0"),
+    (["-n", "0"], "max_new_tokens must be an integer >= 1"),
+    (["-L", "0"], "draft_len must be an integer >= 1"),
+    (["-k", "-1"], "num-candidates"),
+    (["--provider", "npu"], "npu"),
+    (["--chat"], "no chat template"),
+])
+def test_bad_options_give_one_line_errors(toy_dir, args, message):
+    res = run_cli("generate", "a b", "--bundle", str(toy_dir), "-n", "3", *args)
+    assert res.returncode == 2
+    assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_missing_bundle_and_empty_prompt(toy_dir, tmp_path):
+    res = run_cli("generate", "hi", "--bundle", str(tmp_path / "missing"))
+    assert res.returncode == 2 and res.stderr.startswith("error: a bundle was not found")
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+    res = run_cli("generate", "", "--bundle", str(toy_dir), "--provider", "cpu")
+    assert res.returncode == 2 and "prompt is empty" in res.stderr
+
+
+def test_info(toy_dir):
+    res = run_cli("info", "--bundle", str(toy_dir))
+    assert res.returncode == 0, res.stderr
+    assert "target:" in res.stdout and "draft:" in res.stdout and "providers on this machine: " in res.stdout
+
+
+def test_runtime_never_imports_torch(toy_dir):
+    code = (
+        "import sys\n"
+        "from spectr_edge.cli import main\n"
+        f"sys.argv = ['spectr-edge', 'generate', 'a b', '--bundle', {str(toy_dir)!r}, '-n', '4', '-k', '2',"
+        " '--temperature', '1', '--seed', '1']\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+        "bad = [m for m in ('torch', 'transformers', 'optimum') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "print('clean')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith("clean"), res.stderr
+
+
+# -- streaming decode and stop strings, with a real byte-level BPE tokenizer ------------------------
+@pytest.fixture(scope="module")
+def codec(tmp_path_factory):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|end|>"])
+    tok.train_from_iterator(["hello world, streaming text one token at a time. " * 20], trainer)
+    path = Path(tmp_path_factory.mktemp("tok")) / "tokenizer.json"
+    tok.save(str(path))
+    spec = TokenizerSpec(file=path, vocab_size=tok.get_vocab_size(), vocab_sha256=None, bos_token_id=None,
+                         add_bos_token=False, eos_token_ids=(0,), chat_template=None, special_tokens={})
+    return TextCodec(spec)
+
+
+def test_stream_decodes_multibyte_characters_across_tokens(codec):
+    text = "héllo wörld — naïve 日本語 🙂 done"
+    ids = codec.tokenizer.encode(text, add_special_tokens=False).ids
+    stream = TextStream(codec)
+    pieces = [stream.push([i]) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)   # never a half character on screen
+
+
+def test_stop_string_is_cut_and_never_shown(codec):
+    text = "hello world STOP after the stop"
+    ids = codec.tokenizer.encode(text, add_special_tokens=False).ids
+    stream = TextStream(codec, stop=("STOP",))
+    shown = ""
+    for i in ids:
+        shown += stream.push([i])
+        if stream.stopped:
+            break
+    shown += stream.flush()
+    assert stream.stopped and shown == "hello world " and stream.text == "hello world "
+
+
+def test_partial_stop_prefix_is_released_when_it_does_not_match(codec):
+    text = "a ST b STO c"
+    ids = codec.tokenizer.encode(text, add_special_tokens=False).ids
+    stream = TextStream(codec, stop=("STOP",))
+    shown = "".join(stream.push([i]) for i in ids) + stream.flush()
+    assert not stream.stopped and shown == text
