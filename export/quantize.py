@@ -1,0 +1,122 @@
+"""Weight quantization of an exported graph with onnxruntime.quantization.
+
+    quantize(src, dst, "int8" | "int4")
+
+int8: quantize_dynamic, QInt8 weights (activations quantized on the fly).
+int4: MatMulNBits (block 32, symmetric, accuracy_level 4: int8 activations in the kernel).
+Before either, a tied lm_head (exported as MatMul(x, Transpose(embedding))) gets its own
+weight, W^T as a new initializer, so the quantizers (which only take constant weights)
+quantize it too; the embedding Gather keeps the original table.
+Graphs over ~1.8 GB of weights are saved with external data (model.onnx.data).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+from spectr_edge.errors import ExportError
+
+QUANTS = ("none", "int8", "int4")
+INT4_BLOCK_SIZE = 32
+INT4_ACCURACY_LEVEL = 4
+EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf caps a single file at 2 GB
+
+
+def untie_lm_head(model) -> int:
+    """Give each MatMul fed by Transpose(initializer) its own transposed initializer; return how many."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    done = 0
+    for node in list(graph.node):
+        if node.op_type != "MatMul" or len(node.input) != 2:
+            continue
+        tr = producer.get(node.input[1])
+        if tr is None or tr.op_type != "Transpose" or tr.input[0] not in inits:
+            continue
+        w = numpy_helper.to_array(inits[tr.input[0]])  # [vocab, hidden]
+        perm = next((list(a.ints) for a in tr.attribute if a.name == "perm"), None)
+        if w.ndim != 2 or perm not in (None, [1, 0]):
+            continue
+        name = f"{tr.input[0]}.lm_head_T"
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), name))  # [hidden, vocab]
+        node.input[1] = name
+        consumers[tr.output[0]].remove(node)
+        if not consumers[tr.output[0]] and tr.output[0] not in {o.name for o in graph.output}:
+            graph.node.remove(tr)
+        done += 1
+    return done
+
+
+@contextmanager
+def _quiet_root_logger():
+    """onnxruntime.quantization logs advice through the root logger (which configures it); keep it silent."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    root.handlers[:] = [logging.NullHandler()]
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        root.handlers[:] = handlers
+
+
+def _import_nbits():
+    """MatMulNBitsQuantizer, undoing the logging.basicConfig(level=INFO) its module runs on import."""
+    with _quiet_root_logger():
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    return MatMulNBitsQuantizer
+
+
+def _weight_bytes(model) -> int:
+    return sum(len(t.raw_data) for t in model.graph.initializer)
+
+
+def quantize(src: Path, dst: Path, quant: str) -> int:
+    """Write the quant-bit version of src to dst (same I/O); return how many lm_heads were untied."""
+    import onnx
+
+    if quant not in ("int8", "int4"):
+        raise ExportError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTS)}")
+    model = onnx.load(str(src))
+    untied = untie_lm_head(model)
+    large = _weight_bytes(model) > EXTERNAL_DATA_BYTES
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if quant == "int4":
+        MatMulNBitsQuantizer = _import_nbits()
+        q = MatMulNBitsQuantizer(model, bits=4, block_size=INT4_BLOCK_SIZE, is_symmetric=True,
+                                 accuracy_level=INT4_ACCURACY_LEVEL)
+        with _quiet_root_logger():
+            q.process()
+        del model
+        gc.collect()
+        q.model.save_model_to_file(str(dst), use_external_data_format=large)
+        return untied
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    # quantize_dynamic reads a path best: save the untied graph beside dst first
+    tmp = dst.with_name(f"untied-{os.getpid()}.onnx")
+    try:
+        onnx.save_model(model, str(tmp), save_as_external_data=large, all_tensors_to_one_file=True,
+                        location=tmp.name + ".data")
+        del model
+        gc.collect()
+        with _quiet_root_logger():
+            quantize_dynamic(str(tmp), str(dst), weight_type=QuantType.QInt8, use_external_data_format=large)
+    finally:
+        tmp.unlink(missing_ok=True)
+        tmp.with_name(tmp.name + ".data").unlink(missing_ok=True)
+    return untied

@@ -1,0 +1,132 @@
+"""Atomic bundle directory and the spectr.json manifest (docs/BUNDLE.md, format version 1).
+
+    staging(out, overwrite)      context manager: yields OUT.partial-<pid>; on success the bundle
+                                 becomes OUT, on any exception (KeyboardInterrupt too) it is removed
+    model_entry(...)             one "models" entry
+    tokenizer_entry(info)        the "tokenizer" section
+
+Order at the end of a successful export: the manifest is written as spectr.json.pending, the
+partial dir is renamed to OUT, then spectr.json.pending is renamed to spectr.json. So a partial
+dir never holds spectr.json, and a directory holding spectr.json is always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+from spectr_edge.errors import ExportError
+
+from .onnx_export import GraphIO
+from .tokenizer_fix import TokenizerInfo
+
+MANIFEST = "spectr.json"
+_PENDING = "spectr.json.pending"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("spectr-edge")
+    except Exception:
+        return "0.1.0"
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+@contextmanager
+def staging(out: Path, overwrite: bool):
+    """Yield a fresh OUT.partial-<pid> beside OUT; publish it as OUT on success, delete it on failure."""
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not overwrite:
+        raise ExportError(f"{out} already exists; pass --overwrite (overwrite=True) or choose another directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if not (tmp / _PENDING).exists():
+            raise ExportError(f"internal error: {tmp} has no manifest; nothing was published")
+        old = out.with_name(f"{out.name}.old-{os.getpid()}")
+        if out.exists():  # overwrite: keep the old bundle until the new one is in place
+            os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if old.exists():
+                os.rename(old, out)
+            raise
+        os.rename(out / _PENDING, out / MANIFEST)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_manifest(bundle: Path, manifest: dict) -> None:
+    """Write the manifest as pending; staging() turns it into spectr.json after the final rename."""
+    write_json(bundle / _PENDING, manifest)
+
+
+def tokenizer_entry(info: TokenizerInfo) -> dict:
+    return {
+        "file": "tokenizer.json",
+        "vocab_size": info.vocab_size,
+        "vocab_sha256": info.vocab_sha256,
+        "bos_token_id": info.bos_token_id,
+        "add_bos_token": info.add_bos_token,
+        "eos_token_ids": info.eos_token_ids,
+        "chat_template": info.chat_template,
+        "special_tokens": {"bos_token": info.bos_token, "eos_token": info.eos_token, "pad_token": info.pad_token},
+    }
+
+
+def model_entry(role: str, files: list[Path], bundle: Path, io: GraphIO, config: dict, tok: TokenizerInfo,
+                source: str, quant: str, parity: float | None) -> dict:
+    """The manifest entry of models/<role>; files are model.onnx first, then its external data."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if io.head_dim != head_dim or io.num_kv_heads != config.get("num_key_value_heads", config["num_attention_heads"]):
+        raise ExportError(f"{role}: graph cache is [kv_heads={io.num_kv_heads}, head_dim={io.head_dim}] but config.json "
+                          f"says [{config.get('num_key_value_heads')}, {head_dim}]; the ONNX and config disagree")
+    return {
+        "file": files[0].relative_to(bundle).as_posix(),
+        "tokenizer_file": f"{role}/tokenizer.json",
+        "vocab_sha256": tok.vocab_sha256,
+        "source": source,
+        "architecture": config.get("model_type"),
+        "quant": quant,
+        "dtype": io.dtype,
+        "num_layers": len(io.past),
+        "num_kv_heads": io.num_kv_heads,
+        "head_dim": io.head_dim,
+        "logits_width": io.logits_width,
+        "context_length": config.get("max_position_embeddings"),
+        "inputs": {
+            "input_ids": io.input_ids,
+            "attention_mask": io.attention_mask,
+            "position_ids": io.position_ids,
+            "past": [list(kv) for kv in io.past],
+        },
+        "outputs": {"logits": io.logits, "present": [list(kv) for kv in io.present]},
+        "tree_mask": False,
+        "parity_max_abs_diff": parity,
+        "size_bytes": sum(f.stat().st_size for f in files),
+    }
+
+
+def manifest(name: str, tokenizer: dict, models: dict) -> dict:
+    return {
+        "format": "spectr-edge-bundle",
+        "format_version": 1,
+        "created_by": f"spectr-edge {_version()}",
+        "name": name,
+        "tokenizer": tokenizer,
+        "models": models,
+    }
