@@ -1,0 +1,297 @@
+"""Monte Carlo: the whole engine's output law == sampling the target alone (SPECTR.md 7.2).
+
+The toy bundle of tests/toy_lm.py (vocab 5) is run through `spectr_edge.load` and
+`generate_ids` many times with fixed seeds; the empirical law of the generated tokens
+is compared with the exact law enumerated in NumPy (toy_lm.exact_sequence_law, our
+own logits processing, not spectr_edge.sampling) by a chi-square goodness-of-fit test.
+
+What is compared. Each draw generates MAX_NEW_TOKENS = 6 tokens; the test checks the
+joint law of tokens 1-3 and, separately, of tokens 4-6 (125 cells each; the exact
+window-2 law is the 6-token law summed over tokens 1-3). Why 6: the engine emits token 1
+from the prefill and clamps a step's draft length to the remaining budget, so with 3
+tokens only one step with draft_len 1 would ever run; with 6 the first step drafts the
+full L <= 3 and tokens 4-6 come after one or more commits (cache crops, bonus tokens,
+draft catch-up), where a wrong crop or row shows up.
+
+Chi-square test. Cells with expected count < MIN_EXPECTED are pooled into one cell
+(merged into the smallest cell if the pool itself is < MIN_EXPECTED); an observation in a
+zero-probability cell fails outright. The statistic is compared with the upper
+P_VALUE = 1e-4 quantile of chi2(cells - 1), by the Wilson-Hilferty approximation
+    chi2_q(df) = df * (1 - 2/(9 df) + z sqrt(2/(9 df)))^3,  z = Phi^-1(1 - 1e-4) = 3.719
+(within 1% of the exact quantile for df >= 20; checked against mpmath when written:
+df = 124 gives 191.4 vs exact 191.3). Seeds are fixed, so a pass or fail is reproducible.
+
+Power. Two negative controls must be REJECTED by the same test: the naive multi-draft
+rule (rho = 1, SPECTR.md section 2) patched into spectr_edge.selection, and correct
+samples compared with the target law at a wrong temperature.
+
+CI runs CI_CONFIGS (every k, every L, both temperatures and the filters at least once);
+the full grid at FULL_DRAWS draws per config is marked slow.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from statistics import NormalDist
+
+import numpy as np
+import pytest
+
+from toy_lm import build_toy_bundle, exact_sequence_law
+
+VOCAB_SIZE = 5                    # the padded id 5 (logit +30) must never be emitted
+MAX_NEW_TOKENS = 6
+WINDOWS = {"tokens 1-3": slice(0, 3), "tokens 4-6": slice(3, 6)}
+P_VALUE = 1e-4
+MIN_EXPECTED = 5.0
+CI_DRAWS = 15_000                 # ~1.5-3 ms per 6-token draw: the CI subset takes ~4 minutes
+FULL_DRAWS = 100_000              # slow grid: ~2 hours on one core
+NEGATIVE_DRAWS = 5_000            # rho = 1 gives chi2 ~2-7x the threshold already at 8000 draws
+SHORT_PROMPT, LONG_PROMPT = (0,), (2, 0, 3, 1, 4)
+
+
+@dataclass(frozen=True)
+class Config:
+    num_candidates: int           # 0 = target only
+    draft_len: int
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    prompt: tuple[int, ...] = SHORT_PROMPT
+    draws: int = CI_DRAWS
+    seed: int = 0
+
+    def __str__(self) -> str:
+        filters = f"-topk{self.top_k}-topp{self.top_p}" if self.top_k or self.top_p < 1 else ""
+        return (f"k{self.num_candidates}-L{self.draft_len}-T{self.temperature}{filters}"
+                f"-prompt{len(self.prompt)}-n{self.draws}")
+
+
+CI_CONFIGS = [
+    Config(0, 1, 1.0),                                      # target only: validates test + exact law
+    Config(1, 1, 1.0, seed=1),                              # standard speculative sampling
+    Config(2, 2, 1.0, seed=2),
+    Config(4, 3, 1.0, seed=3),
+    Config(4, 1, 0.7, seed=4),
+    Config(2, 3, 0.7, top_k=3, top_p=0.9, seed=5),
+    Config(1, 2, 1.0, top_p=0.9, prompt=LONG_PROMPT, seed=6),
+    Config(4, 2, 0.7, top_k=3, prompt=LONG_PROMPT, seed=7),
+]
+
+_FULL_SETTINGS = [(k, L, t, top_k, top_p, prompt)
+                  for k in (1, 2, 4) for L in (1, 2, 3) for t in (1.0, 0.7)
+                  for top_k, top_p in ((0, 1.0), (3, 0.9))
+                  for prompt in ((SHORT_PROMPT, LONG_PROMPT) if (k, L) == (2, 2) else (SHORT_PROMPT,))]
+_FULL_SETTINGS += [(0, 1, t, top_k, top_p, SHORT_PROMPT) for t in (1.0, 0.7) for top_k, top_p in ((0, 1.0), (3, 0.9))]
+FULL_GRID = [Config(*setting, draws=FULL_DRAWS, seed=100 + i) for i, setting in enumerate(_FULL_SETTINGS)]
+
+
+# --------------------------------------------------------------------------- chi-square
+
+
+def chi2_quantile(df: int, p_value: float = P_VALUE) -> float:
+    """Upper p_value quantile of chi2(df), Wilson-Hilferty approximation."""
+    z = NormalDist().inv_cdf(1.0 - p_value)
+    h = 2.0 / (9.0 * df)
+    return df * (1.0 - h + z * math.sqrt(h)) ** 3
+
+
+def chi_square(counts: Counter, law: dict, n: int) -> tuple[float, int]:
+    """(statistic, degrees of freedom) of the observed counts against n draws of `law`."""
+    if any(law.get(cell, 0.0) == 0.0 for cell in counts):
+        return math.inf, 1                               # an impossible sequence was emitted
+    cells = [(n * p, counts.get(cell, 0)) for cell, p in law.items() if n * p >= MIN_EXPECTED]
+    pooled = [(n * p, counts.get(cell, 0)) for cell, p in law.items() if 0 < n * p < MIN_EXPECTED]
+    cells.sort()
+    if pooled:
+        pool = (sum(e for e, _ in pooled), sum(o for _, o in pooled))
+        if pool[0] < MIN_EXPECTED and cells:             # too small alone: merge into the smallest cell
+            pool = (pool[0] + cells[0][0], pool[1] + cells[0][1])
+            cells = cells[1:]
+        cells.append(pool)
+    stat = sum((o - e) ** 2 / e for e, o in cells)
+    return stat, len(cells) - 1
+
+
+def window_laws(bundle, cfg: Config, temperature: float | None = None) -> dict[str, dict]:
+    """Exact law of each window of the target-only output (6-token law marginalised)."""
+    t = cfg.temperature if temperature is None else temperature
+    full = exact_sequence_law(bundle, cfg.prompt, MAX_NEW_TOKENS, t, cfg.top_k, cfg.top_p)
+    laws = {}
+    for name, window in WINDOWS.items():
+        law = Counter()
+        for seq, prob in full.items():
+            law[seq[window]] += prob
+        laws[name] = dict(law)
+    return laws
+
+
+# --------------------------------------------------------------------------- drawing
+
+
+@dataclass
+class Draws:
+    counts: dict[str, Counter]   # window name -> Counter of token tuples
+    n: int
+    accepted: int
+    drafted: int
+    target_calls: int
+    draft_calls: int
+    seconds: float
+
+
+def draw(gen, cfg: Config) -> Draws:
+    """cfg.draws independent generations with one seeded generator."""
+    rng = np.random.default_rng(cfg.seed)
+    counts = {name: Counter() for name in WINDOWS}
+    totals = Counter()
+    started = time.perf_counter()
+    for _ in range(cfg.draws):
+        res = gen.generate_ids(list(cfg.prompt), max_new_tokens=MAX_NEW_TOKENS, temperature=cfg.temperature,
+                               top_k=cfg.top_k, top_p=cfg.top_p, num_candidates=cfg.num_candidates,
+                               draft_len=cfg.draft_len, rng=rng)
+        ids = tuple(res.token_ids)
+        assert len(ids) == MAX_NEW_TOKENS, ids               # eos_token_ids is empty
+        assert all(0 <= t < VOCAB_SIZE for t in ids), f"padding or out-of-range id emitted: {ids}"
+        for name, window in WINDOWS.items():
+            counts[name][ids[window]] += 1
+        s = res.stats
+        totals.update(accepted=s.accepted, drafted=s.drafted, target_calls=s.target_calls,
+                      draft_calls=s.draft_calls)
+    return Draws(counts, cfg.draws, totals["accepted"], totals["drafted"], totals["target_calls"],
+                 totals["draft_calls"], time.perf_counter() - started)
+
+
+def check_law(draws: Draws, laws: dict[str, dict]) -> list[str]:
+    """Failure messages (empty when every window passes), with the worst cells."""
+    failures = []
+    for name, law in laws.items():
+        stat, df = chi_square(draws.counts[name], law, draws.n)
+        limit = chi2_quantile(df)
+        if not stat <= limit:
+            worst = sorted(law, key=lambda c: -abs(draws.counts[name].get(c, 0) - draws.n * law[c])
+                           / math.sqrt(max(draws.n * law[c], 1.0)))[:5]
+            cells = ", ".join(f"{c}: observed {draws.counts[name].get(c, 0)} expected {draws.n * law[c]:.1f}"
+                              for c in worst)
+            failures.append(f"{name}: chi2 {stat:.1f} > {limit:.1f} (df {df}); worst cells {cells}")
+    return failures
+
+
+def chi_square_stats(draws: Draws, laws: dict[str, dict]) -> list[tuple[float, float]]:
+    """(statistic, threshold) per window."""
+    out = []
+    for name, law in laws.items():
+        stat, df = chi_square(draws.counts[name], law, draws.n)
+        out.append((stat, chi2_quantile(df)))
+    return out
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return build_toy_bundle(tmp_path_factory.mktemp("toy_mc"), seed_target=11, seed_draft=12)
+
+
+@pytest.fixture(scope="module")
+def gen(bundle):
+    import spectr_edge
+
+    return spectr_edge.load(bundle, provider="cpu", threads=1)
+
+
+_DRAWS: dict[Config, Draws] = {}   # CI draws, reused by the wrong-temperature control
+
+
+def cached_draws(gen, cfg: Config) -> Draws:
+    if cfg not in _DRAWS:
+        _DRAWS[cfg] = draw(gen, cfg)
+    return _DRAWS[cfg]
+
+
+def assert_engine_follows_target(bundle, gen, cfg: Config, draws: Draws) -> None:
+    if cfg.num_candidates == 0:
+        assert draws.accepted == 0 and draws.draft_calls == 0
+    else:  # speculation really happened: drafts were accepted, and some rejected
+        assert draws.accepted > 0 and draws.drafted > draws.accepted, (draws.accepted, draws.drafted)
+        assert draws.target_calls < draws.n * MAX_NEW_TOKENS      # fewer target calls than tokens
+    laws = window_laws(bundle, cfg)
+    print(f"{cfg}: {draws.seconds:.0f} s, accepted {draws.accepted}/{draws.drafted}, chi2 (stat, limit) "
+          + ", ".join(f"{s:.1f}/{t:.1f}" for s, t in chi_square_stats(draws, laws)))
+    failures = check_law(draws, laws)
+    assert not failures, f"{cfg}: output law differs from the target's:\n" + "\n".join(failures)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_chi_square_machinery_on_exact_samples(bundle):
+    """Without the engine: multinomial samples of the exact law pass, of a wrong law fail."""
+    cfg = CI_CONFIGS[5]
+    laws = window_laws(bundle, cfg)
+    wrong = window_laws(bundle, cfg, temperature=0.8)
+    rng = np.random.default_rng(0)
+    for name, law in laws.items():
+        cells = list(law)
+        drawn = rng.multinomial(CI_DRAWS, np.array([law[c] for c in cells]) / sum(law.values()))
+        counts = Counter({c: int(m) for c, m in zip(cells, drawn) if m})
+        stat, df = chi_square(counts, law, CI_DRAWS)
+        assert stat <= chi2_quantile(df), (name, stat, df)
+        stat, df = chi_square(counts, wrong[name], CI_DRAWS)
+        assert stat > chi2_quantile(df), (name, stat, df)
+    assert abs(chi2_quantile(124) - 191.28) < 0.5    # exact chi2(124) 0.9999 quantile: 191.28
+
+
+@pytest.mark.parametrize("cfg", CI_CONFIGS, ids=str)
+def test_output_law_equals_target(bundle, gen, cfg):
+    assert_engine_follows_target(bundle, gen, cfg, cached_draws(gen, cfg))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", FULL_GRID, ids=str)
+def test_output_law_equals_target_full_grid(bundle, gen, cfg):
+    assert_engine_follows_target(bundle, gen, cfg, draw(gen, cfg))
+
+
+def test_negative_control_wrong_temperature(bundle, gen):
+    """Correct speculative samples against the law at temperature 0.9 instead of 1.0: rejected."""
+    cfg = CI_CONFIGS[3]                               # k=4, L=3, T=1.0
+    draws = cached_draws(gen, cfg)
+    stats = chi_square_stats(draws, window_laws(bundle, cfg, temperature=0.9))
+    assert all(stat > limit for stat, limit in stats), stats
+
+
+@pytest.mark.parametrize("num_candidates", [2, 4])
+def test_negative_control_rho_one(bundle, gen, monkeypatch, num_candidates):
+    """Naive multi-draft selection (rho = 1, no K-SEQ division) is not lossless: rejected."""
+    from spectr_edge import selection
+
+    def naive_plan(draft_probs, target_probs, num_candidates):
+        return selection.plan_at_rho(draft_probs, target_probs, num_candidates, 1.0)
+
+    monkeypatch.setattr(selection, "kseq_rho", naive_plan)
+    cfg = Config(num_candidates, 1, 1.0, draws=NEGATIVE_DRAWS, seed=40 + num_candidates)
+    draws = draw(gen, cfg)
+    assert draws.accepted > 0
+    stats = chi_square_stats(draws, window_laws(bundle, cfg))
+    assert any(stat > limit for stat, limit in stats), stats
+
+
+def test_greedy_speculative_equals_target_only(gen):
+    """temperature 0: token-for-token equality with plain target greedy decoding."""
+    rng = np.random.default_rng(9)
+    accepted = drafted = 0
+    for trial in range(24):
+        prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(1, 6)))]
+        plain = gen.generate_ids(prompt, max_new_tokens=16, temperature=0.0, num_candidates=0).token_ids
+        for num_candidates, draft_len in ((1, 1), (2, 3), (4, 2), (1, 5)):
+            res = gen.generate_ids(prompt, max_new_tokens=16, temperature=0.0, num_candidates=num_candidates,
+                                   draft_len=draft_len, seed=trial)
+            assert res.token_ids == plain, (prompt, num_candidates, draft_len)
+            accepted += res.stats.accepted
+            drafted += res.stats.drafted
+    assert 0 < accepted < drafted, (accepted, drafted)
