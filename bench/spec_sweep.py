@@ -53,7 +53,8 @@ def run_one(gen, prompt: str, c: dict, max_new_tokens: int, seed: int) -> dict:
     s = res.stats
     return {"new_tokens": s.new_tokens, "ms_per_token": s.ms_per_token, "ttft_ms": 1000 * s.seconds_first_token,
             "tokens_per_s": s.tokens_per_second, "tokens_per_call": s.tokens_per_target_call,
-            "acceptance": s.acceptance_rate, "acceptance_per_position": s.acceptance_per_position,
+            "acceptance": s.acceptance_rate, "accepted": s.accepted, "drafted": s.drafted,
+            "acceptance_per_position": s.acceptance_per_position,
             "seconds": s.seconds_total, "seconds_target": s.seconds_target, "seconds_draft": s.seconds_draft,
             "seconds_select": s.seconds_select, "seconds_other": s.seconds_other, "token_ids": res.token_ids}
 

@@ -18,9 +18,10 @@ from .sampling import SamplingParams
 from .stats import GenerationStats
 from .text import TextCodec, TextStream
 
-# Best setting measured for the default bundle on a 2-core CPU (bench/RESULTS.md).
-DEFAULT_NUM_CANDIDATES = 1
-DEFAULT_DRAFT_LEN = 4
+# Best (num_candidates, draft_len) measured for the default bundle on a 2-core CPU
+# (bench/RESULTS.md, 2026-11-30 sweep): greedy k=1 L=3 (1.71x); temperature 1.0 k=2 L=2 (1.59x).
+DEFAULT_GREEDY = (1, 3)
+DEFAULT_SAMPLING = (2, 2)
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
@@ -108,14 +109,15 @@ class Generator:
                f"temperature must be >= 0 (got {temperature}); use 0 for greedy decoding")
         _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an integer >= 0 (got {top_k}); 0 turns it off")
         _check(0 < top_p <= 1, f"top_p must be in (0, 1] (got {top_p}); 1 turns it off")
+        default_k, default_len = DEFAULT_GREEDY if temperature == 0 else DEFAULT_SAMPLING
         if num_candidates is None:
-            num_candidates = DEFAULT_NUM_CANDIDATES if self.draft is not None else 0
+            num_candidates = default_k if self.draft is not None else 0
         _check(isinstance(num_candidates, int) and num_candidates >= 0,
                f"num_candidates must be an integer >= 0 (got {num_candidates}); 0 decodes with the target only")
         _check(num_candidates == 0 or self.draft is not None,
                "this bundle has no draft model (or it was not loaded); use num_candidates=0 / --no-draft, "
                "or export a bundle with --draft")
-        draft_len = DEFAULT_DRAFT_LEN if draft_len is None else draft_len
+        draft_len = default_len if draft_len is None else draft_len
         _check(isinstance(draft_len, int) and draft_len >= 1, f"draft_len must be an integer >= 1 (got {draft_len})")
         vocab = self.bundle.tokenizer.vocab_size
         bad = [i for i in prompt_ids if not 0 <= i < vocab]

@@ -1,0 +1,73 @@
+"""Greedy equality on a real bundle, outside CI: every greedy speculative configuration must
+produce exactly the target-only token ids, with tokens drafted and accepted.
+
+Reads the raw.json of a spec_sweep run (which records every generation's token ids), or
+runs its own small check when given --bundle:
+
+    .venv/bin/python bench/check_greedy.py bench/results/DATE-spec-sweep/raw.json
+    .venv/bin/python bench/check_greedy.py --bundle models/default --prompts 3 -n 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def check_rows(rows: list[dict]) -> tuple[int, int, list[str]]:
+    """Compare greedy speculative rows with the target-only row of the same prompt.
+
+    Returns (rows compared, rows that accepted draft tokens, descriptions of differences)."""
+    plain = {r["prompt_id"]: r["token_ids"] for r in rows if r["temperature"] == 0 and r["k"] == 0}
+    spec = [r for r in rows if r["temperature"] == 0 and r["k"] > 0]
+    failures = []
+    for r in spec:
+        want = plain[r["prompt_id"]]
+        if r["token_ids"] != want:
+            at = next((i for i, (a, b) in enumerate(zip(r["token_ids"], want)) if a != b),
+                      min(len(want), len(r["token_ids"])))
+            failures.append(f"prompt {r['prompt_id']} {r['config']}: first difference at token {at}")
+    return len(spec), sum(r["acceptance"] > 0 for r in spec), failures
+
+
+def from_sweep(path: Path) -> int:
+    compared, accepting, failures = check_rows(json.loads(path.read_text())["rows"])
+    print(f"{compared} greedy speculative generations compared token for token with target-only; "
+          f"{accepting} of them accepted draft tokens; {len(failures)} differ")
+    for f in failures:
+        print("  " + f)
+    return 1 if failures or compared == 0 or accepting == 0 else 0
+
+
+def own_run(bundle: str, prompts: int, max_new_tokens: int) -> int:
+    import spectr_edge
+    from spec_sweep import PROMPTS_FILE, load_prompts
+
+    gen = spectr_edge.load(bundle, provider="cpu")
+    bad = accepted = 0
+    for p in load_prompts(PROMPTS_FILE, prompts):
+        plain = gen.generate(p["prompt"], max_new_tokens=max_new_tokens, temperature=0, num_candidates=0)
+        for L in (2, 4, 6):
+            spec = gen.generate(p["prompt"], max_new_tokens=max_new_tokens, temperature=0, num_candidates=1, draft_len=L)
+            same = spec.token_ids == plain.token_ids
+            bad += not same
+            accepted += spec.stats.accepted
+            print(f"prompt {p['id']} L={L}: {'equal' if same else 'DIFFERENT'}, accepted "
+                  f"{spec.stats.accepted}/{spec.stats.drafted}")
+    return 1 if bad or accepted == 0 else 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("raw", nargs="?", help="raw.json of a spec_sweep run")
+    ap.add_argument("--bundle")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    sys.exit(from_sweep(Path(args.raw)) if args.raw else own_run(args.bundle, args.prompts, args.max_new_tokens))
+
+
+if __name__ == "__main__":
+    main()
