@@ -52,11 +52,14 @@ def main():
 @click.option("-k", "--num-candidates", type=int, default=None,
               help="Draft candidates per step (SpecTr k; 1 = speculative sampling, 0 = target only).")
 @click.option("-L", "--draft-len", type=int, default=None, help="Tokens drafted per candidate per step.")
+@click.option("--draft-stop", type=float, default=None,
+              help="Adaptive draft length: stop drafting when the draft's confidence in its token is below this "
+                   "(0 = off; lossless).")
 @click.option("--no-draft", is_flag=True, help="Target-only decoding (same as -k 0).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print timing and speculation stats to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) instead of streaming.")
 def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, chat, stop, provider,
-             draft_provider, threads, num_candidates, draft_len, no_draft, show_stats, as_json):
+             draft_provider, threads, num_candidates, draft_len, draft_stop, no_draft, show_stats, as_json):
     """Generate a completion of PROMPT ('-' reads it from stdin)."""
     from .generator import GenerationResult, load
 
@@ -72,7 +75,8 @@ def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, ch
         click.echo("note: at temperature 0 the draft is deterministic, so the k candidates would be "
                    "identical; drafting one", err=True)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   seed=seed, chat=chat, stop=stop, num_candidates=num_candidates, draft_len=draft_len)
+                   seed=seed, chat=chat, stop=stop, num_candidates=num_candidates, draft_len=draft_len,
+                   draft_stop=draft_stop)
     result = GenerationResult("", [])
     if as_json:
         result = gen.generate(prompt, **options)

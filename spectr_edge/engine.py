@@ -30,6 +30,7 @@ class DecodeRequest:
     num_candidates: int          # 0 = target only
     draft_len: int
     eos_ids: frozenset[int]
+    draft_stop: float = 0.0      # stop drafting early when the draft's confidence falls below this (0 = off)
 
 
 class Engine:
@@ -117,7 +118,7 @@ class Engine:
         stats.seconds_select += time.perf_counter() - t0
         return [tok]
 
-    def _draft(self, ids, d_cache, draft_seen, num_candidates, draft_len, sampling, rng, stats):
+    def _draft(self, ids, d_cache, draft_seen, num_candidates, draft_len, sampling, rng, stats, draft_stop=0.0):
         """1. Draft: num_candidates i.i.d. continuations of draft_len tokens, one batch of rows.
 
         Returns tokens # [k, L] and, when sampling, the processed draft probs they were drawn
@@ -139,17 +140,25 @@ class Engine:
                     probs = np.empty((num_candidates, draft_len, p.shape[-1]), dtype=p.dtype)
                 probs[:, j] = p
                 tokens[:, j] = sample(np.broadcast_to(p, (num_candidates, p.shape[-1])), rng)
+            stop = (num_candidates == 1 and j < draft_len - 1 and
+                    _confidence(logits[0, :self.vocab_size], p[0] if probs is not None else None, tokens[0, j])
+                    < draft_stop)
             stats.seconds_select += time.perf_counter() - t0
             if j == 0:
                 d_cache.repeat_rows(num_candidates)
-        stats.draft_calls += draft_len
+            if stop:   # adaptive length: only draft-side information decides, so the output law is unchanged
+                tokens = tokens[:, :j + 1]
+                probs = probs[:, :j + 1] if probs is not None else None
+                break
+        stats.draft_calls += tokens.shape[1]
         return tokens, probs
 
     def _spec_step(self, ids, t_cache, d_cache, draft_seen, num_candidates, draft_len, req, rng, stats):
         sampling = req.sampling
         # 1. draft
         drafts, draft_probs = self._draft(ids, d_cache, draft_seen, num_candidates, draft_len,
-                                          sampling, rng, stats)
+                                          sampling, rng, stats, req.draft_stop)
+        draft_len = drafts.shape[1]                     # may be shorter: adaptive length
         # 2. score every distinct candidate row in one target call
         rows, row_of = np.unique(drafts, axis=0, return_inverse=True)         # [u, L], [k]
         row_of = row_of.reshape(-1)
@@ -177,6 +186,14 @@ class Engine:
         d_cache.keep_row(survivor)
         d_cache.crop(draft_seen)
         return tokens, draft_seen
+
+
+def _confidence(logits: np.ndarray, probs: np.ndarray | None, token: int) -> float:
+    """Draft-side confidence in a drafted token: its draft probability (softmax of raw logits if greedy)."""
+    if probs is not None:
+        return float(probs[token])
+    top = logits.max()
+    return float(1.0 / np.exp(logits - top).sum()) if logits[token] == top else 0.0
 
 
 def select_sequence(drafts, draft_probs, target_logits, row_of, sampling, vocab_size, rng):

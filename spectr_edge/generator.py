@@ -23,6 +23,7 @@ from .text import TextCodec, TextStream
 DEFAULT_GREEDY = (1, 3)
 DEFAULT_SAMPLING = (2, 2)
 DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_DRAFT_STOP = 0.0       # adaptive draft length off unless asked (draft_stop=...)
 
 
 @dataclass
@@ -65,13 +66,14 @@ class Generator:
     def generate_ids(self, prompt_ids: list[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                      seed: int | None = None, rng: np.random.Generator | None = None,
-                     num_candidates: int | None = None, draft_len: int | None = None) -> GenerationResult:
+                     num_candidates: int | None = None, draft_len: int | None = None,
+                     draft_stop: float | None = None) -> GenerationResult:
         """Generate from raw token ids (no chat template, no stop strings); text is decoded for convenience."""
         result = GenerationResult("", [])
         prompt_ids = [int(i) for i in prompt_ids]
         for tokens in self._run(prompt_ids, result.stats, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rng=rng,
-                                num_candidates=num_candidates, draft_len=draft_len):
+                                num_candidates=num_candidates, draft_len=draft_len, draft_stop=draft_stop):
             result.token_ids.extend(tokens)
         result.text = self.codec.decode(result.token_ids)
         return result
@@ -101,7 +103,7 @@ class Generator:
             yield piece
 
     def _request(self, prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                 num_candidates, draft_len) -> DecodeRequest:
+                 num_candidates, draft_len, draft_stop) -> DecodeRequest:
         _check(len(prompt_ids) > 0, "the prompt is empty; pass at least one token")
         _check(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
                f"max_new_tokens must be an integer >= 1 (got {max_new_tokens})")
@@ -119,6 +121,8 @@ class Generator:
                "or export a bundle with --draft")
         draft_len = default_len if draft_len is None else draft_len
         _check(isinstance(draft_len, int) and draft_len >= 1, f"draft_len must be an integer >= 1 (got {draft_len})")
+        draft_stop = DEFAULT_DRAFT_STOP if draft_stop is None else draft_stop
+        _check(0 <= draft_stop < 1, f"draft_stop must be in [0, 1) (got {draft_stop}); 0 turns it off")
         vocab = self.bundle.tokenizer.vocab_size
         bad = [i for i in prompt_ids if not 0 <= i < vocab]
         _check(not bad, f"prompt token id {bad[:1]} is outside the vocabulary [0, {vocab})")
@@ -127,12 +131,14 @@ class Generator:
                f"{context}; shorten the prompt")
         return DecodeRequest(tuple(prompt_ids), max_new_tokens,
                              SamplingParams(float(temperature), int(top_k), float(top_p)),
-                             num_candidates, draft_len, frozenset(self.bundle.tokenizer.eos_token_ids))
+                             num_candidates, draft_len, frozenset(self.bundle.tokenizer.eos_token_ids),
+                             float(draft_stop))
 
     def _run(self, prompt_ids, stats: GenerationStats, *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
              temperature=0.0, top_k=0, top_p=1.0, seed=None, rng=None, num_candidates=None,
-             draft_len=None) -> Iterator[list[int]]:
-        req = self._request(prompt_ids, max_new_tokens, temperature, top_k, top_p, num_candidates, draft_len)
+             draft_len=None, draft_stop=None) -> Iterator[list[int]]:
+        req = self._request(prompt_ids, max_new_tokens, temperature, top_k, top_p, num_candidates, draft_len,
+                            draft_stop)
         rng = rng if rng is not None else np.random.default_rng(seed)
         stats.prompt_tokens = len(prompt_ids)
         models = [m for m in (self.target, self.draft) if m is not None]

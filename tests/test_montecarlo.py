@@ -63,10 +63,12 @@ class Config:
     prompt: tuple[int, ...] = SHORT_PROMPT
     draws: int = CI_DRAWS
     seed: int = 0
+    draft_stop: float = 0.0       # adaptive draft length (stop on low draft confidence)
 
     def __str__(self) -> str:
         filters = f"-topk{self.top_k}-topp{self.top_p}" if self.top_k or self.top_p < 1 else ""
-        return (f"k{self.num_candidates}-L{self.draft_len}-T{self.temperature}{filters}"
+        stop = f"-stop{self.draft_stop}" if self.draft_stop else ""
+        return (f"k{self.num_candidates}-L{self.draft_len}-T{self.temperature}{filters}{stop}"
                 f"-prompt{len(self.prompt)}-n{self.draws}")
 
 
@@ -79,6 +81,7 @@ CI_CONFIGS = [
     Config(2, 3, 0.7, top_k=3, top_p=0.9, seed=5),
     Config(1, 2, 1.0, top_p=0.9, prompt=LONG_PROMPT, seed=6),
     Config(4, 2, 0.7, top_k=3, prompt=LONG_PROMPT, seed=7),
+    Config(1, 3, 1.0, seed=8, draft_stop=0.6),              # adaptive draft length
 ]
 
 _FULL_SETTINGS = [(k, L, t, top_k, top_p, prompt)
@@ -152,7 +155,7 @@ def draw(gen, cfg: Config) -> Draws:
     for _ in range(cfg.draws):
         res = gen.generate_ids(list(cfg.prompt), max_new_tokens=MAX_NEW_TOKENS, temperature=cfg.temperature,
                                top_k=cfg.top_k, top_p=cfg.top_p, num_candidates=cfg.num_candidates,
-                               draft_len=cfg.draft_len, rng=rng)
+                               draft_len=cfg.draft_len, draft_stop=cfg.draft_stop, rng=rng)
         ids = tuple(res.token_ids)
         assert len(ids) == MAX_NEW_TOKENS, ids               # eos_token_ids is empty
         assert all(0 <= t < VOCAB_SIZE for t in ids), f"padding or out-of-range id emitted: {ids}"

@@ -38,12 +38,13 @@ def _edited_copy(src, dst, edit):
 PROMPTS = [[0], [1, 2], [3, 3, 0, 1], [4, 2, 1, 0, 3, 2]]
 
 
-@pytest.mark.parametrize("num_candidates,draft_len", [(1, 1), (1, 3), (2, 2), (4, 5)])
-def test_greedy_speculative_equals_target_only(gen, num_candidates, draft_len):
+@pytest.mark.parametrize("num_candidates,draft_len,draft_stop", [(1, 1, 0), (1, 3, 0), (2, 2, 0), (4, 5, 0),
+                                                                  (1, 5, 0.6)])
+def test_greedy_speculative_equals_target_only(gen, num_candidates, draft_len, draft_stop):
     drafted = accepted = 0
     for prompt in PROMPTS:
         plain = gen.generate_ids(prompt, max_new_tokens=20, temperature=0, num_candidates=0)
-        spec = gen.generate_ids(prompt, max_new_tokens=20, temperature=0,
+        spec = gen.generate_ids(prompt, max_new_tokens=20, temperature=0, draft_stop=draft_stop,
                                 num_candidates=num_candidates, draft_len=draft_len)
         assert spec.token_ids == plain.token_ids
         assert plain.stats.target_calls == 20 and plain.stats.draft_calls == 0
@@ -120,6 +121,7 @@ def test_kv_cache_operations():
     (dict(top_k=-1), "top_k must be an integer >= 0"),
     (dict(num_candidates=-1), "num_candidates must be an integer >= 0"),
     (dict(draft_len=0), "draft_len must be an integer >= 1"),
+    (dict(draft_stop=1.0), r"draft_stop must be in \[0, 1\)"),
 ])
 def test_bad_generation_options(gen, options, message):
     with pytest.raises(InputError, match=message) as err:
@@ -206,3 +208,11 @@ def test_no_draft_bundle_and_no_draft_option(toy_dir, tmp_path):
         g.generate_ids([1], max_new_tokens=3, num_candidates=1)
     g2 = spectr_edge.load(toy_dir, provider="cpu", load_draft=False)
     assert g2.draft is None
+
+
+def test_adaptive_draft_length_stops_early(gen):
+    """With a high confidence threshold the draft stops before draft_len: fewer draft calls."""
+    full = gen.generate_ids([1, 2], max_new_tokens=30, temperature=1.0, num_candidates=1, draft_len=5, seed=4)
+    short = gen.generate_ids([1, 2], max_new_tokens=30, temperature=1.0, num_candidates=1, draft_len=5, seed=4,
+                             draft_stop=0.95)
+    assert short.stats.drafted / short.stats.steps < 0.5 * full.stats.drafted / full.stats.steps
