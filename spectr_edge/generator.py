@@ -18,12 +18,12 @@ from .sampling import SamplingParams
 from .stats import GenerationStats
 from .text import TextCodec, TextStream
 
-# Best (num_candidates, draft_len) measured for the default bundle on a 2-core CPU
-# (bench/RESULTS.md, 2026-11-30 sweep): greedy k=1 L=3 (1.71x); temperature 1.0 k=2 L=2 (1.59x).
-DEFAULT_GREEDY = (1, 3)
-DEFAULT_SAMPLING = (2, 2)
+# Best (num_candidates, draft_len, draft_stop) measured for the default bundle on a 2-core CPU
+# (bench/RESULTS.md, 2026-11-30): greedy k=1 with an adaptive length up to 6 (stop below 0.5
+# draft confidence) beat fixed L=3 in two runs; temperature 1.0: k=2 L=2 (1.59x in the sweep).
+DEFAULT_GREEDY = (1, 6, 0.5)
+DEFAULT_SAMPLING = (2, 2, 0.0)
 DEFAULT_MAX_NEW_TOKENS = 256
-DEFAULT_DRAFT_STOP = 0.0       # adaptive draft length off unless asked (draft_stop=...)
 
 
 @dataclass
@@ -111,7 +111,7 @@ class Generator:
                f"temperature must be >= 0 (got {temperature}); use 0 for greedy decoding")
         _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an integer >= 0 (got {top_k}); 0 turns it off")
         _check(0 < top_p <= 1, f"top_p must be in (0, 1] (got {top_p}); 1 turns it off")
-        default_k, default_len = DEFAULT_GREEDY if temperature == 0 else DEFAULT_SAMPLING
+        default_k, default_len, default_stop = DEFAULT_GREEDY if temperature == 0 else DEFAULT_SAMPLING
         if num_candidates is None:
             num_candidates = default_k if self.draft is not None else 0
         _check(isinstance(num_candidates, int) and num_candidates >= 0,
@@ -121,7 +121,7 @@ class Generator:
                "or export a bundle with --draft")
         draft_len = default_len if draft_len is None else draft_len
         _check(isinstance(draft_len, int) and draft_len >= 1, f"draft_len must be an integer >= 1 (got {draft_len})")
-        draft_stop = DEFAULT_DRAFT_STOP if draft_stop is None else draft_stop
+        draft_stop = default_stop if draft_stop is None else draft_stop
         _check(0 <= draft_stop < 1, f"draft_stop must be in [0, 1) (got {draft_stop}); 0 turns it off")
         vocab = self.bundle.tokenizer.vocab_size
         bad = [i for i in prompt_ids if not 0 <= i < vocab]
