@@ -140,7 +140,7 @@ class Engine:
                     probs = np.empty((num_candidates, draft_len, p.shape[-1]), dtype=p.dtype)
                 probs[:, j] = p
                 tokens[:, j] = sample(np.broadcast_to(p, (num_candidates, p.shape[-1])), rng)
-            stop = (num_candidates == 1 and j < draft_len - 1 and
+            stop = (draft_stop > 0 and num_candidates == 1 and j < draft_len - 1 and
                     _confidence(logits[0, :self.vocab_size], p[0] if probs is not None else None, tokens[0, j])
                     < draft_stop)
             stats.seconds_select += time.perf_counter() - t0

@@ -92,6 +92,7 @@ class OnnxLM:
                                 f"(got {self.session.get_providers()[0]}); use --provider cpu")
         self.provider = chain[0].replace("ExecutionProvider", "")
         self._check_io()
+        self._output_names = [spec.logits] + [n for kv in spec.present for n in kv]
         self.dtype = np.float16 if spec.dtype == "float16" else np.float32
         self.seconds = 0.0   # wall time spent inside session.run
         self.calls = 0
@@ -134,7 +135,3 @@ class OnnxLM:
         self.calls += 1
         cache.replace([(outputs[1 + 2 * i], outputs[2 + 2 * i]) for i in range(spec.num_layers)])
         return outputs[0]
-
-    @property
-    def _output_names(self) -> list[str]:
-        return [self.spec.logits] + [n for kv in self.spec.present for n in kv]
