@@ -21,11 +21,11 @@ only rule, so encode(chat_prompt) yields exactly the prompt's tokens.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from spectr_edge.bundle import first_vocab_difference, vocab_sha256  # shared with the load-time check
 from spectr_edge.errors import ExportError
 
 _PROBE = [{"role": "user", "content": "SPECTRUSERPROBE"}, {"role": "assistant", "content": "SPECTRASSTPROBE"}]
@@ -47,10 +47,6 @@ class TokenizerInfo:
     end_of_turn: str | None
     config: dict  # tokenizer_config.json with the fixes above applied
     notes: list[str]  # what was fixed, for the log
-
-
-def vocab_sha256(vocab: dict[str, int]) -> str:
-    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode("utf-8")).hexdigest()
 
 
 def _vocab_size(vocab: dict[str, int]) -> int:
@@ -216,15 +212,7 @@ def read_tokenizer(d: Path) -> TokenizerInfo:
 
 
 def check_same_vocab(target: TokenizerInfo, draft: TokenizerInfo) -> None:
-    """ExportError naming the first id whose token differs between target and draft."""
-    if target.vocab == draft.vocab:
-        return
-    t_by_id = {i: t for t, i in target.vocab.items()}
-    d_by_id = {i: t for t, i in draft.vocab.items()}
-    for i in sorted(set(t_by_id) | set(d_by_id)):
-        if t_by_id.get(i) != d_by_id.get(i):
-            show = lambda tok: "(none)" if tok is None else repr(tok)  # noqa: E731
-            raise ExportError(
-                f"draft and target tokenizers differ at id {i}: target {show(t_by_id.get(i))} vs draft "
-                f"{show(d_by_id.get(i))}; export a draft that shares the target's tokenizer"
-            )
+    """ExportError naming the first id whose token differs between target and draft (same wording as at load)."""
+    if target.vocab != draft.vocab:
+        raise ExportError(f"draft and target tokenizers differ at {first_vocab_difference(target.vocab, draft.vocab)}; "
+                          "export a draft that shares the target's tokenizer")

@@ -83,7 +83,7 @@ def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, ch
         click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids,
                                "stats": result.stats.to_dict()}, ensure_ascii=False))
     else:
-        for piece in gen._stream(prompt, result, **options):
+        for piece in gen.stream(prompt, result, **options):
             click.echo(piece, nl=False)
             sys.stdout.flush()
         click.echo()

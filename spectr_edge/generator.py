@@ -59,9 +59,11 @@ class Generator:
             pass
         return result
 
-    def stream(self, prompt: str, **options) -> Iterator[str]:
-        """Yield pieces of text as they are generated; same options as `generate`."""
-        yield from self._stream(prompt, GenerationResult("", []), **options)
+    def stream(self, prompt: str, result: GenerationResult | None = None, **options) -> Iterator[str]:
+        """Yield pieces of text as they are generated; same options as `generate`.
+
+        Pass a GenerationResult to have it filled in (token ids, text, stats) as the stream runs."""
+        yield from self._stream(prompt, result if result is not None else GenerationResult("", []), **options)
 
     def generate_ids(self, prompt_ids: list[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

@@ -30,7 +30,6 @@ Public helpers:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 from dataclasses import dataclass
@@ -39,6 +38,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from spectr_edge.bundle import vocab_sha256
 
 OPSET = 17
 NUM_LAYERS = 2
@@ -320,10 +321,6 @@ def build_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def vocab_sha256(tokenizer) -> str:
-    """As docs/BUNDLE.md: sha256 of json.dumps(sorted(get_vocab(with_added_tokens=True).items()))."""
-    items = sorted(tokenizer.get_vocab(with_added_tokens=True).items())
-    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
 
 
 def build_toy_bundle(out_dir, *, seed_target: int, seed_draft: int, vocab_size: int = 5,
@@ -332,7 +329,7 @@ def build_toy_bundle(out_dir, *, seed_target: int, seed_draft: int, vocab_size: 
     out = Path(out_dir)
     target, draft = make_params(seed_target, seed_draft, vocab_size, draft_closeness)
     tokenizer = build_tokenizer(vocab_size)
-    sha = vocab_sha256(tokenizer)
+    sha = vocab_sha256(tokenizer.get_vocab(with_added_tokens=True))
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(
