@@ -27,6 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tiny_models  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# property tests draw the same examples on every run (rule: statistical tests fix their seeds)
+settings.register_profile("fixed-seed", derandomize=True)
+settings.load_profile("fixed-seed")
 
 
 def pytest_configure(config):
