@@ -19,9 +19,11 @@ from pathlib import Path
 def check_rows(rows: list[dict]) -> tuple[int, int, list[str]]:
     """Compare greedy speculative rows with the target-only row of the same prompt.
 
-    Returns (rows compared, rows that accepted draft tokens, descriptions of differences)."""
+    Returns (rows compared, rows that accepted draft tokens, descriptions of differences).
+    Rows of spec_sweep.py (keys k, acceptance) or of run.py (config, accepted; spectr-edge rows only)."""
+    rows = [_normal(r) for r in rows if r.get("tool", "spectr-edge") == "spectr-edge" and "error" not in r]
     plain = {r["prompt_id"]: r["token_ids"] for r in rows if r["temperature"] == 0 and r["k"] == 0}
-    spec = [r for r in rows if r["temperature"] == 0 and r["k"] > 0]
+    spec = [r for r in rows if r["temperature"] == 0 and r["k"] != 0]
     failures = []
     for r in spec:
         want = plain[r["prompt_id"]]
@@ -30,6 +32,13 @@ def check_rows(rows: list[dict]) -> tuple[int, int, list[str]]:
                       min(len(want), len(r["token_ids"])))
             failures.append(f"prompt {r['prompt_id']} {r['config']}: first difference at token {at}")
     return len(spec), sum(r["acceptance"] > 0 for r in spec), failures
+
+
+def _normal(r: dict) -> dict:
+    if "config" in r and isinstance(r["config"], dict):     # run.py row; k absent = the shipped default
+        k = r["config"].get("k", -1)
+        return {**r, "k": k, "acceptance": r.get("accepted") or 0, "config": r["method"]}
+    return r
 
 
 def from_sweep(path: Path) -> int:

@@ -7,7 +7,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch first, pinned to the CPU build on this machine's disk, so nothing pulls a CUDA build of several GB
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[export,dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[export,dev,bench]'
 # exactly one ONNX Runtime: the package depends on onnxruntime-gpu (x86_64) or onnxruntime (elsewhere)
 if .venv/bin/python -m pip show -q onnxruntime-gpu >/dev/null 2>&1 && .venv/bin/python -m pip show -q onnxruntime >/dev/null 2>&1; then
   echo "setup: both onnxruntime and onnxruntime-gpu are installed; removing onnxruntime" >&2

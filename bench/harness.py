@@ -1,0 +1,90 @@
+"""Shared pieces of the benchmarks: Spec-Bench prompts, machine description, statistics.
+
+Spec-Bench (../shared/data/spec_bench_questions.jsonl) has 480 questions: MT-bench's 8
+categories x 10 (ids 81-160) and 80 each of translation, summarization, qa, math_reasoning
+and rag. Spec-Bench reports six tasks: the 8 MT-bench categories together as "mt_bench",
+then the five others; `task()` maps a category to its task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS_FILE = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+def task(category: str) -> str:
+    return "mt_bench" if category in MT_BENCH else category
+
+
+def load_questions(path: Path = PROMPTS_FILE) -> list[dict]:
+    if not path.is_file():
+        raise SystemExit(f"error: the Spec-Bench prompts are not at {path}; pass --prompts-file")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{"id": r["question_id"], "category": r["category"], "task": task(r["category"]),
+             "prompt": r["turns"][0]} for r in rows]
+
+
+def select_prompts(questions: list[dict], subset: str) -> list[dict]:
+    """`first-N`: the first N questions; `stratified-N`: N per Spec-Bench task, evenly spaced
+    inside the task (for mt_bench, spread over its 8 categories); `ids-A,B,...`: those ids."""
+    kind, _, arg = subset.partition("-")
+    if kind == "first":
+        return questions[:int(arg)]
+    if kind == "ids":
+        wanted = [int(x) for x in arg.split(",")]
+        by_id = {q["id"]: q for q in questions}
+        return [by_id[i] for i in wanted]
+    if kind == "stratified":
+        per_task = int(arg)
+        chosen = []
+        for t in TASKS:
+            pool = [q for q in questions if q["task"] == t]
+            if t == "mt_bench":   # round-robin over categories: writing#1, roleplay#1, ..., writing#2, ...
+                by_cat = [[q for q in pool if q["category"] == c] for c in MT_BENCH]
+                pool = [by_cat[c][i] for i in range(10) for c in range(len(MT_BENCH))]
+                chosen += pool[:per_task]
+            else:
+                step = len(pool) / per_task
+                chosen += [pool[int(i * step)] for i in range(per_task)]
+        return chosen
+    raise SystemExit(f"error: unknown prompt subset {subset!r}; use first-N, stratified-N or ids-A,B")
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        model = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+        info["cpu"] = model[0] if model else platform.processor()
+        mem = [ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")]
+        info["memory_gib"] = round(int(mem[0].split()[1]) / 2**20, 1) if mem else None
+    except OSError:
+        info["cpu"] = platform.processor()
+    try:
+        info["git_commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                            capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        info["git_commit"] = None
+    return info
+
+
+def median(xs) -> float:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def p90(xs) -> float:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return float("nan")
+    # nearest-rank on the sorted sample (with few prompts this is the largest or second largest)
+    return xs[min(len(xs) - 1, int(0.9 * len(xs) + 0.5) - 1)] if len(xs) > 1 else xs[0]

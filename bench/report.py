@@ -1,0 +1,241 @@
+"""Tables and plots of one benchmark run, from its raw.json (bench/run.py calls this).
+
+    .venv/bin/python bench/report.py bench/results/<dir>
+
+Speedup = median over prompts of (target-only ms/token / method ms/token) on the same
+prompt, where target-only is spectr-edge's target-only method at the same temperature in
+the same run. ms/token is the inter-token latency after the first token; its p90 is over
+prompts. Acceptance = accepted / drafted draft tokens summed over prompts; acceptance at
+draft position j = steps that accepted position j / steps that verified it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import TASKS, median, p90  # noqa: E402
+
+
+def _ok(rows):
+    return [r for r in rows if "error" not in r]
+
+
+def _baselines(rows, methods):
+    base_name = {m["temperature"]: m["name"] for m in methods if m.get("baseline") and m["tool"] == "spectr-edge"}
+    by = {(r["method"], r["prompt_id"]): r for r in _ok(rows)}
+    return base_name, by
+
+
+def speedups(rows, methods, method, prompts_of=None) -> list[float]:
+    base_name, by = _baselines(rows, methods)
+    t = next(m["temperature"] for m in methods if m["name"] == method)
+    base = base_name.get(t)
+    out = []
+    for r in _ok(rows):
+        if r["method"] != method or (prompts_of and r["prompt_id"] not in prompts_of):
+            continue
+        b = by.get((base, r["prompt_id"]))
+        if b and b.get("ms_per_token") and r.get("ms_per_token"):
+            out.append(b["ms_per_token"] / r["ms_per_token"])
+    return out
+
+
+def acceptance_by_position(mine) -> list[float]:
+    reached, accepted = defaultdict(int), defaultdict(int)
+    for r in mine:
+        for j, (n, a) in enumerate(zip(r.get("reached") or [], r.get("accepted_at") or [])):
+            reached[j] += n
+            accepted[j] += a
+    return [accepted[j] / reached[j] for j in sorted(reached) if reached[j]]
+
+
+def summary(raw: dict) -> list[dict]:
+    rows, methods = raw["rows"], raw["meta"]["methods"]
+    table = []
+    for m in methods:
+        mine = [r for r in rows if r["method"] == m["name"]]
+        ok = _ok(mine)
+        drafted = sum(r.get("drafted") or 0 for r in ok)
+        table.append({
+            "method": m["name"], "tool": m["tool"], "temperature": m["temperature"], "config": m["config"],
+            "prompts": len(ok), "errors": sorted({r["error"] for r in mine if "error" in r}),
+            "ttft_ms": 1000 * median(r["ttft_s"] for r in ok),
+            "ms_per_token": median(r["ms_per_token"] for r in ok), "ms_per_token_p90": p90(r["ms_per_token"] for r in ok),
+            "tokens_per_s": median(r["tokens_per_s"] for r in ok),
+            "speedup": median(speedups(rows, methods, m["name"])),
+            "tokens_per_call": median(r.get("tokens_per_call") for r in ok),
+            "acceptance": sum(r.get("accepted") or 0 for r in ok) / drafted if drafted else None,
+            "acceptance_by_position": acceptance_by_position(ok),
+            "peak_rss_gib": max((r["peak_rss"] for r in mine), default=0) / 2**30,
+            "outside_ort": median(r.get("outside_ort") for r in ok),
+        })
+    return table
+
+
+def per_task(raw: dict) -> dict[str, dict[str, float]]:
+    rows, methods = raw["rows"], raw["meta"]["methods"]
+    tasks = [t for t in TASKS if any(p["task"] == t for p in raw["meta"]["prompts"])]
+    out = {}
+    for m in methods:
+        out[m["name"]] = {}
+        for t in tasks:
+            ids = {p["id"] for p in raw["meta"]["prompts"] if p["task"] == t}
+            out[m["name"]][t] = median(speedups(rows, methods, m["name"], ids))
+    return out
+
+
+def _f(x, fmt):
+    return "-" if x is None or x != x else format(x, fmt)
+
+
+def markdown(raw: dict) -> str:
+    meta, table = raw["meta"], summary(raw)
+    lines = [f"Command: `{meta['command']}`", "",
+             f"Prompts: {meta['subset']} of Spec-Bench ({len(meta['prompts'])}: ids "
+             f"{', '.join(str(p['id']) for p in meta['prompts'])}), {meta['max_new_tokens']} new tokens, "
+             f"{meta['date']}, git {meta['machine'].get('git_commit')}.", "",
+             "| method | prompts | TTFT ms | ms/token median | ms/token p90 | tokens/s | speedup vs target-only | "
+             "tokens per target call | acceptance | peak RSS GiB | time outside ORT |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t in table:
+        err = f" (failed: {'; '.join(t['errors'])})" if t["errors"] else ""
+        lines.append(f"| {t['method']}{err} | {t['prompts']} | {_f(t['ttft_ms'], '.0f')} | "
+                     f"{_f(t['ms_per_token'], '.1f')} | {_f(t['ms_per_token_p90'], '.1f')} | "
+                     f"{_f(t['tokens_per_s'], '.2f')} | {_f(t['speedup'], '.2f')}x | "
+                     f"{_f(t['tokens_per_call'], '.2f')} | {_f(t['acceptance'], '.2f')} | "
+                     f"{t['peak_rss_gib']:.2f} | "
+                     f"{'-' if t['outside_ort'] is None else _f(100 * t['outside_ort'], '.1f') + '%'} |")
+    tasks = per_task(raw)
+    names = list(next(iter(tasks.values())).keys()) if tasks else []
+    if len(names) > 1:
+        lines += ["", "Speedup vs target-only per Spec-Bench task (median over the task's prompts):", "",
+                  "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for m, by in tasks.items():
+            lines.append(f"| {m} | " + " | ".join(_f(by[t], '.2f') for t in names) + " |")
+    lines += ["", "Acceptance at each draft position (steps that accepted it / steps that verified it):", ""]
+    for t in table:
+        if t["acceptance_by_position"]:
+            lines.append(f"- {t['method']}: " + " ".join(f"{a:.2f}" for a in t["acceptance_by_position"]))
+    return "\n".join(lines) + "\n"
+
+
+# -- plots ------------------------------------------------------------------------------------------
+_KL = re.compile(r"k=(\d+) L=(\d+)$")
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_speedup_by_task(raw: dict, path: Path, limit: int = 8) -> None:
+    """Bars: speedup per method per task. With many methods, the best L per (temperature, k) is shown."""
+    plt = _plt()
+    table = {t["method"]: t for t in summary(raw)}
+    tasks = per_task(raw)
+    candidates = [m for m in raw["meta"]["methods"] if not m.get("baseline")]
+    if len(candidates) > limit:   # keep the best (by overall speedup) per family
+        best = {}
+        for m in candidates:
+            fam = (m["tool"], m["temperature"], m["config"].get("k"), "default" in m["name"])
+            s = table[m["name"]]["speedup"]
+            if fam not in best or (s == s and s > table[best[fam]["name"]]["speedup"]):
+                best[fam] = m
+        candidates = list(best.values())
+    names = [m["name"] for m in candidates]
+    cols = list(next(iter(tasks.values())).keys()) + ["all"]
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(cols) * max(1, len(names)) / 3), 4.8))
+    width = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        vals = [tasks[n][c] for c in cols[:-1]] + [table[n]["speedup"]]
+        xs = [j + i * width for j in range(len(cols))]
+        ax.bar(xs, [0 if v != v else v for v in vals], width, label=n.replace("spectr-edge ", ""))
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(cols))], cols)
+    ax.set_ylabel("speedup vs target-only (median over prompts)")
+    ax.set_title("Speedup per Spec-Bench task")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_kl_grid(raw: dict, path: Path) -> bool:
+    """Heat map of tokens/s (and speedup) over (k, L), one panel per temperature."""
+    table = [t for t in summary(raw) if t["tool"] == "spectr-edge" and _KL.search(t["method"])]
+    if not table:
+        return False
+    plt = _plt()
+    temps = sorted({t["temperature"] for t in table})
+    fig, axes = plt.subplots(1, len(temps), figsize=(4.6 * len(temps), 3.6), squeeze=False)
+    for ax, temp in zip(axes[0], temps):
+        mine = [t for t in table if t["temperature"] == temp]
+        ks = sorted({int(_KL.search(t["method"]).group(1)) for t in mine})
+        Ls = sorted({int(_KL.search(t["method"]).group(2)) for t in mine})
+        grid = [[float("nan")] * len(Ls) for _ in ks]
+        spd = [[float("nan")] * len(Ls) for _ in ks]
+        for t in mine:
+            k, L = map(int, _KL.search(t["method"]).groups())
+            grid[ks.index(k)][Ls.index(L)] = t["tokens_per_s"]
+            spd[ks.index(k)][Ls.index(L)] = t["speedup"]
+        im = ax.imshow(grid, cmap="viridis", aspect="auto")
+        for i in range(len(ks)):
+            for j in range(len(Ls)):
+                if grid[i][j] == grid[i][j]:
+                    ax.text(j, i, f"{grid[i][j]:.2f}\n{spd[i][j]:.2f}x", ha="center", va="center",
+                            color="white", fontsize=8)
+        ax.set_xticks(range(len(Ls)), [f"L={L}" for L in Ls])
+        ax.set_yticks(range(len(ks)), [f"k={k}" for k in ks])
+        ax.set_title(f"tokens/s (speedup), T={temp:g}")
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_acceptance(raw: dict, path: Path, limit: int = 10) -> bool:
+    table = [t for t in summary(raw) if t["acceptance_by_position"]]
+    if not table:
+        return False
+    plt = _plt()
+    table = sorted(table, key=lambda t: -(t["speedup"] if t["speedup"] == t["speedup"] else 0))[:limit]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for t in table:
+        acc = t["acceptance_by_position"]
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=t["method"].replace("spectr-edge ", ""))
+    ax.set_xlabel("draft position j")
+    ax.set_ylabel("P(accept j | position j verified)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance per draft position")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write(out: Path) -> None:
+    raw = json.loads((out / "raw.json").read_text())
+    (out / "table.md").write_text(markdown(raw))
+    try:
+        plot_speedup_by_task(raw, out / "speedup_by_task.png")
+        plot_kl_grid(raw, out / "tokens_per_s_kL.png")
+        plot_acceptance(raw, out / "acceptance_by_position.png")
+    except ImportError:
+        print("note: matplotlib is not installed; tables written, plots skipped (pip install matplotlib)",
+              file=sys.stderr)
+
+
+if __name__ == "__main__":
+    write(Path(sys.argv[1]))
+    print((Path(sys.argv[1]) / "table.md").read_text())

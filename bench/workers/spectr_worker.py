@@ -1,0 +1,84 @@
+"""Benchmark worker for spectr-edge: loads one bundle, then serves generation requests.
+
+Protocol (shared by every worker in bench/workers/, so peers run in their own environments):
+the coordinator writes one JSON object per line on stdin and reads one per line from the
+worker's protocol stream (the original stdout; everything else the process prints goes to
+stderr). The worker first sends {"ready": true, "info": {...versions...}}. A request is
+{"id", "prompt", "prompt_ids", "max_new_tokens", "seed", "config"}; the answer is
+{"id", "result": {...measurements...}} or {"id", "error": "one line"}. An empty line or EOF ends it.
+
+config keys for spectr-edge: temperature, k (0 = target-only), L, stop (draft_stop), top_k, top_p.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+
+def protocol_stream():
+    """Keep the real stdout for protocol lines; send every other print (and C-level writes) to stderr."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return proto
+
+
+def serve(proto, info: dict, handle) -> None:
+    proto.write(json.dumps({"ready": True, "info": info}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        req = json.loads(line)
+        try:
+            proto.write(json.dumps({"id": req["id"], "result": handle(req)}) + "\n")
+        except Exception as err:  # a failed configuration is reported in the table, not fatal
+            traceback.print_exc()
+            proto.write(json.dumps({"id": req["id"], "error": f"{type(err).__name__}: {err}"[:300]}) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    proto = protocol_stream()
+
+    import numpy as np
+    import onnxruntime
+
+    import spectr_edge
+
+    gen = spectr_edge.load(args.bundle, provider="cpu", threads=args.threads)
+    info = {"tool": "spectr-edge", "onnxruntime": onnxruntime.__version__, "numpy": np.__version__,
+            "bundle": args.bundle, "threads": args.threads or "onnxruntime default",
+            "models": {r: {k: v for k, v in m.items() if k in ("source", "quant", "num_layers")}
+                       for r, m in gen.bundle.manifest["models"].items()}}
+
+    def handle(req: dict) -> dict:
+        c = req["config"]
+        kwargs = dict(max_new_tokens=req["max_new_tokens"], temperature=c.get("temperature", 0.0),
+                      top_k=c.get("top_k", 0), top_p=c.get("top_p", 1.0), seed=req["seed"])
+        if "k" in c:
+            kwargs["num_candidates"] = c["k"]
+        if c.get("L"):
+            kwargs["draft_len"] = c["L"]
+        if "stop" in c:
+            kwargs["draft_stop"] = c["stop"]
+        res = gen.generate_ids(req["prompt_ids"], **kwargs)
+        s = res.stats
+        return {"new_tokens": s.new_tokens, "seconds": s.seconds_total, "ttft_s": s.seconds_first_token,
+                "target_calls": s.target_calls, "draft_calls": s.draft_calls, "accepted": s.accepted,
+                "drafted": s.drafted, "acceptance_per_position": s.acceptance_per_position,
+                "seconds_target": s.seconds_target, "seconds_draft": s.seconds_draft,
+                "seconds_select": s.seconds_select, "reached": s.reached, "accepted_at": s.accepted_at,
+                "token_ids": res.token_ids, "stop_reason": s.stop_reason}
+
+    serve(proto, info, handle)
+
+
+if __name__ == "__main__":
+    main()

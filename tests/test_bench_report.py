@@ -1,0 +1,68 @@
+"""The benchmark's arithmetic (bench/report.py, bench/harness.py) on hand-made measurements."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import harness  # noqa: E402
+import report  # noqa: E402
+
+
+def _raw():
+    methods = [{"name": "base", "tool": "spectr-edge", "temperature": 0.0, "config": {"k": 0}, "baseline": True},
+               {"name": "spec", "tool": "spectr-edge", "temperature": 0.0, "config": {"k": 1, "L": 3},
+                "baseline": False}]
+    prompts = [{"id": 1, "category": "writing", "task": "mt_bench"}, {"id": 2, "category": "rag", "task": "rag"},
+               {"id": 3, "category": "rag", "task": "rag"}]
+    ms = {("base", 1): 200.0, ("spec", 1): 100.0,      # 2.0x
+          ("base", 2): 150.0, ("spec", 2): 100.0,      # 1.5x
+          ("base", 3): 120.0, ("spec", 3): 120.0}      # 1.0x
+    rows = []
+    for (m, pid), v in ms.items():
+        rows.append({"method": m, "prompt_id": pid, "ms_per_token": v, "ttft_s": 0.5, "tokens_per_s": 1000 / v,
+                     "peak_rss": 2**30, "outside_ort": 0.01, "accepted": 6 if m == "spec" else 0,
+                     "drafted": 9 if m == "spec" else 0, "tokens_per_call": 2.0 if m == "spec" else 1.0,
+                     "reached": [3, 2, 1] if m == "spec" else [], "accepted_at": [2, 1, 0] if m == "spec" else []})
+    rows.append({"method": "spec", "prompt_id": 4, "error": "boom", "peak_rss": 0})   # a failed generation
+    meta = {"methods": methods, "prompts": prompts, "command": "x", "subset": "ids-1,2,3", "max_new_tokens": 8,
+            "date": "today", "machine": {"git_commit": None}}
+    return {"meta": meta, "rows": rows}
+
+
+def test_speedup_is_the_median_of_per_prompt_ratios():
+    table = {t["method"]: t for t in report.summary(_raw())}
+    assert table["spec"]["speedup"] == pytest.approx(1.5)          # median of 2.0, 1.5, 1.0
+    assert table["base"]["speedup"] == pytest.approx(1.0)
+    assert table["spec"]["ms_per_token"] == pytest.approx(100.0)
+    assert table["spec"]["acceptance"] == pytest.approx(18 / 27)   # accepted / drafted summed over prompts
+    assert table["spec"]["acceptance_by_position"] == pytest.approx([2 / 3, 1 / 2, 0.0])
+    assert table["spec"]["errors"] == ["boom"] and table["spec"]["prompts"] == 3
+
+
+def test_per_task_speedups():
+    by_task = report.per_task(_raw())["spec"]
+    assert by_task["mt_bench"] == pytest.approx(2.0)
+    assert by_task["rag"] == pytest.approx(1.25)                   # median of 1.5 and 1.0
+
+
+def test_markdown_names_failures_and_tasks():
+    text = report.markdown(_raw())
+    assert "| spec (failed: boom) | 3 |" in text and "| spec | 2.00 | 1.25 |" in text
+
+
+def test_stratified_subset_takes_each_task_and_spreads_mt_bench():
+    if not harness.PROMPTS_FILE.is_file():
+        pytest.skip(f"Spec-Bench prompts not beside the checkout ({harness.PROMPTS_FILE})")
+    questions = harness.load_questions()
+    chosen = harness.select_prompts(questions, "stratified-2")
+    assert [q["task"] for q in chosen] == [t for t in harness.TASKS for _ in range(2)]
+    assert [q["category"] for q in chosen[:2]] == ["writing", "roleplay"]   # round-robin over MT-bench
+    assert len({q["id"] for q in chosen}) == 12
+    assert [q["id"] for q in harness.select_prompts(questions, "first-3")] == [81, 82, 83]
+    with pytest.raises(SystemExit, match="unknown prompt subset"):
+        harness.select_prompts(questions, "random-3")
