@@ -11,6 +11,7 @@ Steps (numbered in the log, each with its elapsed seconds):
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -23,7 +24,7 @@ import numpy as np
 
 from spectr_edge.errors import ExportError
 
-from . import onnx_export, presets, quantize, sources, tokenizer_fix, writer
+from . import onnx_export, presets, quantize, sources, tokenizer_fix, tree_mask, writer
 
 PROBE_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
 PROBE_LEN = 16
@@ -177,7 +178,20 @@ def _place(role: str, g: Graph, quant: str, bundle: Path, progress: Progress, id
     return writer.model_entry(role, files, bundle, io, g.config, tok, source, quant, parity)
 
 
-def _total_steps(plan: Plan) -> int:
+def _add_tree_mask(role: str, entry: dict, bundle: Path, progress: Progress, ids: np.ndarray) -> dict:
+    """Rewrite role's graph to take a 4D attention mask (tree verification), checked against the original."""
+    with progress.step(f"adding a tree mask to the {role} graph"):
+        src = bundle / entry["file"]
+        tmp = src.with_name(src.stem + ".tree.onnx")
+        still = tree_mask.rewrite_graph(src, tmp)
+        new = tree_mask.tree_entry(entry, still)
+        diff = tree_mask.check_tree_graph(src, tmp, entry, new, ids[:32])
+        os.replace(tmp, src)
+        progress.log(f"      chain and tree logits match the original graph (max diff {diff:.1e})")
+    return new
+
+
+def _total_steps(plan: Plan, tree: bool = False) -> int:
     n = 2  # resolve sources, write bundle
     for spec, quant in ((plan.target, plan.target_quant), (plan.draft, plan.draft_quant)):
         if spec is None:
@@ -185,21 +199,24 @@ def _total_steps(plan: Plan) -> int:
         if spec != "self" and _kind(spec) == "hf":
             n += 2  # export, parity
         n += quant != "none"
+        n += tree
     return n
 
 
 def export_bundle(out: str | Path, *, target: str | None = None, draft: str | None = None,
                   preset: str | None = None, target_quant: str = "none", draft_quant: str = "none",
-                  overwrite: bool = False, log: Callable[[str], None] = _stderr) -> Path:
+                  overwrite: bool = False, tree_mask: bool = True,
+                  log: Callable[[str], None] = _stderr) -> Path:
     """Export a target (and optional draft, or "self" = quantized target) into a bundle at out.
 
     Sources: local HF directory, .gguf file, optimum ONNX directory, hub id, or preset=NAME
     (see PRESETS). target_quant / draft_quant: none | int8 | int4 (draft="self" defaults to int4).
+    tree_mask: rewrite each graph to take a 4D attention mask, for tree verification (export/tree_mask.py).
     Raises ExportError (one line) on any user-fixable problem; out is then left untouched.
     """
     out = Path(out).expanduser().absolute()
     plan = _plan(target, draft, preset, target_quant, draft_quant, out)
-    progress = Progress(log, _total_steps(plan))
+    progress = Progress(log, _total_steps(plan, tree_mask))
     t_start = time.perf_counter()
     with writer.staging(out, overwrite) as bundle:
         work = bundle / "_work"
@@ -230,6 +247,8 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
             entries["draft"] = _place("draft", d_graph, plan.draft_quant, bundle, progress, ids, d_tok,
                                       d_src.description, move=d_src.kind == "hf")
 
+        if tree_mask:
+            entries = {role: _add_tree_mask(role, e, bundle, progress, ids) for role, e in entries.items()}
         with progress.step("writing tokenizer files and manifest"):
             (bundle / "tokenizer.json").write_text(shared_json, encoding="utf-8")
             writer.write_json(bundle / "tokenizer_config.json", t_tok.config)

@@ -46,12 +46,12 @@ class ModelSpec:
     logits_width: int
     context_length: int
     input_ids: str
-    attention_mask: str
+    attention_mask: str | None            # None when the graph takes tree_mask instead
     position_ids: str | None
     past: tuple[tuple[str, str], ...]      # per layer (key name, value name)
     logits: str
     present: tuple[tuple[str, str], ...]
-    tree_mask: bool
+    tree_mask: str | None                 # name of the 4D bool mask input [batch, 1, new, past + new]
     source: str
     size_bytes: int | None
 
@@ -110,16 +110,26 @@ def _model_spec(bundle: Path, role: str, m: dict) -> ModelSpec:
             logits_width=int(_require(m, "logits_width", where)),
             context_length=int(_require(m, "context_length", where)),
             input_ids=_require(inputs, "input_ids", f"{where}.inputs"),
-            attention_mask=_require(inputs, "attention_mask", f"{where}.inputs"),
+            attention_mask=inputs.get("attention_mask") if m.get("tree_mask") else
+            _require(inputs, "attention_mask", f"{where}.inputs"),
             position_ids=inputs.get("position_ids"),
             past=tuple((k, v) for k, v in _require(inputs, "past", f"{where}.inputs")),
             logits=_require(outputs, "logits", f"{where}.outputs"),
             present=tuple((k, v) for k, v in _require(outputs, "present", f"{where}.outputs")),
-            tree_mask=bool(m.get("tree_mask", False)), source=str(m.get("source", "")),
+            tree_mask=_tree_mask(m.get("tree_mask"), where), source=str(m.get("source", "")),
             size_bytes=m.get("size_bytes"),
         )
     except (TypeError, ValueError) as err:
         raise BundleError(f"spectr.json entry {where} is malformed ({err}); re-export the bundle") from None
+
+
+def _tree_mask(value, where: str) -> str | None:
+    if value in (None, False):
+        return None
+    if not isinstance(value, str) or not value:
+        raise BundleError(f"spectr.json {where}.tree_mask is {value!r}; expected false or the name of the "
+                          "4D mask input (re-export the bundle, or run spectr-edge export --add-tree-mask)")
+    return value
 
 
 def _tokenizer_spec(bundle: Path, t: dict) -> TokenizerSpec:

@@ -50,7 +50,8 @@ def main():
 @click.option("--draft-provider", type=PROVIDERS, default=None, help="Draft execution provider [default: --provider].")
 @click.option("--threads", type=int, default=None, help="Intra-op threads per session [default: ORT's choice].")
 @click.option("-k", "--num-candidates", type=int, default=None,
-              help="Draft candidates per step (SpecTr k; 1 = speculative sampling, 0 = target only).")
+              help="Draft candidates per step (SpecTr k; 1 = speculative sampling, 0 = target only; "
+                   "greedy with a tree bundle: branches per depth).")
 @click.option("-L", "--draft-len", type=int, default=None, help="Tokens drafted per candidate per step.")
 @click.option("--draft-stop", type=float, default=None,
               help="Adaptive draft length: stop drafting when the draft's confidence in its token is below this "
@@ -72,8 +73,13 @@ def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, ch
     gen = load(bundle, provider=provider, draft_provider=draft_provider, threads=threads,
                load_draft=num_candidates != 0)
     if num_candidates and num_candidates > 1 and temperature == 0:
-        click.echo("note: at temperature 0 the draft is deterministic, so the k candidates would be "
-                   "identical; drafting one", err=True)
+        if gen.target.takes_tree:
+            click.echo(f"note: at temperature 0 with a tree target, k={num_candidates} drafts one greedy chain "
+                       f"and adds the draft's next {num_candidates - 1} best tokens at every depth as leaves",
+                       err=True)
+        else:
+            click.echo("note: at temperature 0 the draft is deterministic, so the k candidates would be "
+                       "identical; drafting one (a bundle with tree masks uses k as branches per depth)", err=True)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, chat=chat, stop=stop, num_candidates=num_candidates, draft_len=draft_len,
                    draft_stop=draft_stop)
@@ -114,6 +120,7 @@ def info(bundle):
         click.echo(f"  {spec.num_layers} layers, {spec.num_kv_heads} kv heads x {spec.head_dim}, "
                    f"{spec.dtype}, quant {spec.quant}, context {spec.context_length}, "
                    f"logits width {spec.logits_width}, files {_size(spec.file)}")
+        click.echo(f"  tree verification: {'yes' if spec.tree_mask else 'no (spectr-edge export --add-tree-mask)'}")
     t = b.tokenizer
     click.echo(f"tokenizer: {t.vocab_size} tokens, eos ids {list(t.eos_token_ids)}, "
                f"chat template {'yes' if t.chat_template else 'no'}")
@@ -129,8 +136,21 @@ def info(bundle):
 @click.option("--target-quant", type=click.Choice(["none", "int8", "int4"]), default=None)
 @click.option("--draft-quant", type=click.Choice(["none", "int8", "int4"]), default=None)
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
-def export(target, draft, preset, out, target_quant, draft_quant, overwrite):
+@click.option("--no-tree-mask", is_flag=True, help="Keep the 2D attention mask (no tree verification).")
+@click.option("--add-tree-mask", is_flag=True,
+              help="Upgrade the existing bundle at --out in place: its graphs take a tree mask (weights untouched).")
+def export(target, draft, preset, out, target_quant, draft_quant, overwrite, no_tree_mask, add_tree_mask):
     """Export a target (and draft) model into a bundle."""
+    if add_tree_mask:
+        if preset or target:
+            raise click.UsageError("--add-tree-mask upgrades the bundle at --out; give no --target or --preset")
+        try:
+            from export.tree_mask import add_tree_mask_to_bundle
+        except ImportError as err:
+            _fail(f"--add-tree-mask needs onnx ({err.name or err} is missing): pip install -e '.[export]'")
+        changed = add_tree_mask_to_bundle(out, log=click.echo)
+        click.echo(f"{out}: {', '.join(changed) or 'nothing'} upgraded to tree verification")
+        return
     if not (preset or target):
         raise click.UsageError("give --target SRC (and --draft SRC) or --preset NAME")
     try:
@@ -139,7 +159,8 @@ def export(target, draft, preset, out, target_quant, draft_quant, overwrite):
         _fail(f"export needs the export extra ({err.name or err} is missing): "
               "pip install torch==2.13.0 && pip install -e '.[export]'")
     options = {k: v for k, v in dict(target_quant=target_quant, draft_quant=draft_quant).items() if v}
-    path = exporter.export_bundle(out, target=target, draft=draft, preset=preset, overwrite=overwrite, **options)
+    path = exporter.export_bundle(out, target=target, draft=draft, preset=preset, overwrite=overwrite,
+                                  tree_mask=not no_tree_mask, **options)
     click.echo(f"bundle written to {path}")
 
 

@@ -90,8 +90,10 @@ class Engine:
 
     # -- speculative decoding ---------------------------------------------------------------
     def _speculative(self, req, rng, stats) -> Iterator[list[int]]:
-        # a greedy draft is deterministic: k candidates would all be the same row
-        num_candidates = 1 if req.sampling.greedy else req.num_candidates
+        # a greedy draft is deterministic: k candidates would all be the same row. With a tree
+        # target, k > 1 at temperature 0 means k branches per depth: the chain + k - 1 leaves.
+        greedy_tree = req.sampling.greedy and req.num_candidates > 1 and self.target.takes_tree
+        num_candidates = 1 if req.sampling.greedy and not greedy_tree else req.num_candidates
         stats.num_candidates, stats.draft_len = num_candidates, req.draft_len
         stats.reached, stats.accepted_at = [0] * req.draft_len, [0] * req.draft_len
         ids, t_cache = self._prefill(req, rng, stats)
@@ -103,6 +105,9 @@ class Engine:
             draft_len = min(req.draft_len, req.max_new_tokens - emitted - 1, self.context_length - len(ids) - 1)
             if draft_len < 1:
                 tokens = self._plain_step(ids, t_cache, req, rng, stats)
+            elif greedy_tree:
+                tokens, draft_seen = self._greedy_tree_step(ids, t_cache, d_cache, draft_seen, num_candidates,
+                                                            draft_len, req, rng, stats)
             else:
                 tokens, draft_seen = self._spec_step(ids, t_cache, d_cache, draft_seen, num_candidates,
                                                      draft_len, req, rng, stats)
@@ -118,12 +123,15 @@ class Engine:
         stats.seconds_select += time.perf_counter() - t0
         return [tok]
 
-    def _draft(self, ids, d_cache, draft_seen, num_candidates, draft_len, sampling, rng, stats, draft_stop=0.0):
+    def _draft(self, ids, d_cache, draft_seen, num_candidates, draft_len, sampling, rng, stats, draft_stop=0.0,
+               alternatives=0):
         """1. Draft: num_candidates i.i.d. continuations of draft_len tokens, one batch of rows.
 
         Returns tokens # [k, L] and, when sampling, the processed draft probs they were drawn
-        from # [k, L, W] (None when greedy).
+        from # [k, L, W] (None when greedy). With alternatives > 0 (greedy, k = 1) it also returns
+        the draft's next-best tokens at every position, best first # [L, alternatives].
         """
+        alts = []
         catch_up = np.asarray([ids[draft_seen:]], dtype=np.int64)            # [1, unseen]
         logits = self.draft.forward(catch_up, d_cache)[:, -1]                 # [1, W]
         tokens = np.empty((num_candidates, draft_len), dtype=np.int64)        # [k, L]
@@ -134,6 +142,8 @@ class Engine:
             t0 = time.perf_counter()
             if sampling.greedy:
                 tokens[:, j] = greedy_token(logits, self.vocab_size)
+                if alternatives:
+                    alts.append(_next_best(logits[0, :self.vocab_size], int(tokens[0, j]), alternatives))
             else:
                 p = logits_to_probs(logits, sampling, self.vocab_size)         # [1 or k, W]
                 if probs is None:
@@ -151,7 +161,43 @@ class Engine:
                 probs = probs[:, :j + 1] if probs is not None else None
                 break
         stats.draft_calls += tokens.shape[1]
+        if alternatives:
+            return tokens, probs, alts[:tokens.shape[1]]
         return tokens, probs
+
+    def _greedy_tree_step(self, ids, t_cache, d_cache, draft_seen, branches, draft_len, req, rng, stats):
+        """Greedy with a tree target: the draft's greedy chain plus, at every depth, its next
+        `branches - 1` best tokens as leaves, all verified in one batch-1 call by the exact greedy
+        walk. A leaf costs one more scored token and no draft call; when the chain's token is wrong
+        but a leaf's is right, the step gains that token and the target's next one."""
+        chain, _, alternatives = self._draft(ids, d_cache, draft_seen, 1, draft_len, req.sampling, rng, stats,
+                                             req.draft_stop, alternatives=branches - 1)
+        chain = chain[0]
+        draft_len = len(chain)
+        rows = [chain] + [list(chain[:j]) + [int(a)] for j in range(draft_len) for a in alternatives[j]]
+        trie = TokenTrie(ids[-1], rows)
+        past = len(ids) - 1
+        node_logits = self.target.forward(trie.tokens[None], t_cache, trie.ancestors, trie.depth)[0]  # [N, W]
+        stats.target_calls += 1
+        stats.steps += 1
+        stats.scored += len(trie.tokens)
+        t0 = time.perf_counter()
+        tokens, path = trie.greedy_walk(node_logits, self.vocab_size)
+        stats.seconds_select += time.perf_counter() - t0
+        accepted = len(tokens) - 1
+        on_chain = 0                                    # accepted tokens that are the chain's (the draft saw them)
+        while on_chain < min(accepted, draft_len) and tokens[on_chain] == chain[on_chain]:
+            on_chain += 1
+        stats.drafted += draft_len
+        stats.accepted += accepted
+        for j in range(min(accepted + 1, draft_len)):
+            stats.reached[j] += 1
+        for j in range(min(accepted, draft_len)):
+            stats.accepted_at[j] += 1
+        t_cache.gather(past, past + np.asarray(path))
+        draft_seen = len(ids) + min(on_chain, draft_len - 1)
+        d_cache.crop(draft_seen)
+        return tokens, draft_seen
 
     def _spec_step(self, ids, t_cache, d_cache, draft_seen, num_candidates, draft_len, req, rng, stats):
         sampling = req.sampling
@@ -159,12 +205,22 @@ class Engine:
         drafts, draft_probs = self._draft(ids, d_cache, draft_seen, num_candidates, draft_len,
                                           sampling, rng, stats, req.draft_stop)
         draft_len = drafts.shape[1]                     # may be shorter: adaptive length
-        # 2. score every distinct candidate row in one target call
+        # 2. score every distinct candidate row in one target call: as one token trie in a batch-1
+        #    call when the target takes a tree mask, else by replicating the cache to every row
         rows, row_of = np.unique(drafts, axis=0, return_inverse=True)         # [u, L], [k]
         row_of = row_of.reshape(-1)
-        t_cache.repeat_rows(len(rows))
-        last = np.full((len(rows), 1), ids[-1], dtype=np.int64)
-        target_logits = self.target.forward(np.concatenate([last, rows], axis=1), t_cache)  # [u, L+1, W]
+        past = len(ids) - 1                                                     # the cache holds ids[:-1]
+        trie = None
+        if len(rows) > 1 and self.target.takes_tree:
+            trie = TokenTrie(ids[-1], rows)
+            node_logits = self.target.forward(trie.tokens[None], t_cache, trie.ancestors, trie.depth)  # [1, N, W]
+            target_logits = trie.row_view(node_logits[0])                      # [u, L+1] -> [W]
+            stats.scored += len(trie.tokens)
+        else:
+            t_cache.repeat_rows(len(rows))
+            last = np.full((len(rows), 1), ids[-1], dtype=np.int64)
+            target_logits = self.target.forward(np.concatenate([last, rows], axis=1), t_cache)  # [u, L+1, W]
+            stats.scored += rows.size + len(rows)
         stats.target_calls += 1
         stats.steps += 1
         # 3. select
@@ -180,12 +236,91 @@ class Engine:
         for j in range(accepted):
             stats.accepted_at[j] += 1
         # 4. commit: keep the surviving row, crop both caches to what they saw of the accepted path
-        t_cache.keep_row(int(row_of[survivor]))
-        t_cache.crop(len(ids) + accepted)                 # ids[:-1] + ids[-1] + accepted tokens
+        if trie is not None:                              # the path's nodes, moved to contiguous positions
+            t_cache.gather(past, past + trie.node_of[row_of[survivor], :accepted + 1])
+        else:
+            t_cache.keep_row(int(row_of[survivor]))
+            t_cache.crop(len(ids) + accepted)             # ids[:-1] + ids[-1] + accepted tokens
         draft_seen = len(ids) + min(accepted, draft_len - 1)
         d_cache.keep_row(survivor)
         d_cache.crop(draft_seen)
         return tokens, draft_seen
+
+
+class TokenTrie:
+    """Drafted continuations merged into a token trie, for one batch-1 target call (SPECTR.md section 5).
+
+    Node 0 is the last committed token (position past); every other node is a drafted token,
+    identical prefixes shared. tokens # [N], depth # [N] (position = past + depth),
+    ancestors # [N, N] bool (node i attends to node j: j is i or an ancestor of i),
+    children {(node, token): child}, node_of # [u, L+1] for equal-length rows: the node of
+    row r at depth j (node_of[r, 0] = 0). Rows may differ in length (greedy side leaves);
+    node_of is then None. A child's index is always larger than its parent's, so a path's
+    nodes are ascending.
+    """
+
+    def __init__(self, root_token: int, rows):
+        lengths = {len(r) for r in rows}
+        tokens, parent, depth = [int(root_token)], [-1], [0]
+        self.children: dict[tuple[int, int], int] = {}
+        node_of = []
+        for row in rows:
+            node, path = 0, [0]
+            for j, tok in enumerate(row):
+                key = (node, int(tok))
+                child = self.children.get(key)
+                if child is None:
+                    child = self.children[key] = len(tokens)
+                    tokens.append(key[1])
+                    parent.append(node)
+                    depth.append(j + 1)
+                node = child
+                path.append(node)
+            node_of.append(path)
+        self.node_of = np.asarray(node_of, dtype=np.int64) if len(lengths) == 1 else None
+        n = len(tokens)
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.depth = np.asarray(depth, dtype=np.int64)
+        self.ancestors = np.eye(n, dtype=bool)
+        for i in range(1, n):                 # parent[i] < i: its row is already complete
+            self.ancestors[i] |= self.ancestors[parent[i]]
+
+    def greedy_walk(self, node_logits: np.ndarray, vocab_size: int) -> tuple[list[int], list[int]]:
+        """Exact greedy verification of the whole tree: from the root, emit the target's argmax and
+        follow the child holding it; stop at the first argmax no child holds (it is still emitted).
+
+        Returns (emitted tokens, the nodes of the accepted path, root included).
+        """
+        node, out, path = 0, [], [0]
+        while True:
+            best = int(greedy_token(node_logits[node], vocab_size))
+            out.append(best)
+            child = self.children.get((node, best))
+            if child is None:
+                return out, path
+            node = child
+            path.append(node)
+
+    def row_view(self, node_logits: np.ndarray) -> "_RowLogits":
+        return _RowLogits(node_logits, self.node_of)
+
+
+class _RowLogits:
+    """target_logits[row, j] of the replicated layout, read from per-node logits # [N, W]."""
+
+    def __init__(self, node_logits: np.ndarray, node_of: np.ndarray):
+        self.node_logits, self.node_of = node_logits, node_of
+
+    def __getitem__(self, index) -> np.ndarray:
+        row, j = index
+        return self.node_logits[self.node_of[row, j]]
+
+
+def _next_best(logits: np.ndarray, best: int, count: int) -> list[int]:
+    """The `count` highest-logit ids other than `best`, highest first."""
+    top = np.argpartition(-logits, count)[:count + 1]
+    top = top[np.argsort(-logits[top], kind="stable")]
+    return [int(t) for t in top if t != best][:count]
 
 
 def _confidence(logits: np.ndarray, probs: np.ndarray | None, token: int) -> float:

@@ -53,3 +53,17 @@ class KVCache:
         if self.batch == 1 and row == 0:
             return
         self.layers = [(k[row:row + 1], v[row:row + 1]) for k, v in self.layers]  # contiguous views
+
+    def gather(self, keep: int, positions: np.ndarray) -> None:
+        """Keep the first `keep` positions followed by `positions` (ascending), made contiguous.
+
+        After a tree call the cache holds past + every tree node; this keeps the past and the
+        accepted path's nodes, in path order, so the cache reads as if the path had been decoded.
+        """
+        positions = np.asarray(positions, dtype=np.int64)
+        if len(positions) and np.array_equal(positions, np.arange(keep, keep + len(positions))):
+            self.crop(keep + len(positions))        # the path is already contiguous: a crop
+            return
+        index = np.concatenate([np.arange(keep, dtype=np.int64), positions])
+        self.layers = [(np.take(k, index, axis=2), np.take(v, index, axis=2)) for k, v in self.layers]
+

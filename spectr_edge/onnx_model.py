@@ -101,7 +101,8 @@ class OnnxLM:
         spec = self.spec
         have_in = {i.name for i in self.session.get_inputs()}
         have_out = {o.name for o in self.session.get_outputs()}
-        want_in = [spec.input_ids, spec.attention_mask] + [n for kv in spec.past for n in kv]
+        want_in = [spec.input_ids] + [n for kv in spec.past for n in kv]
+        want_in += [n for n in (spec.attention_mask, spec.tree_mask) if n]
         if spec.position_ids:
             want_in.append(spec.position_ids)
         missing = [n for n in want_in if n not in have_in]
@@ -114,18 +115,37 @@ class OnnxLM:
     def new_cache(self) -> KVCache:
         return KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
 
-    def forward(self, input_ids: np.ndarray, cache: KVCache) -> np.ndarray:
+    @property
+    def takes_tree(self) -> bool:
+        """Whether the graph takes a 4D attention mask, so one call can score a token tree."""
+        return bool(self.spec.tree_mask) and self.spec.position_ids is not None
+
+    def forward(self, input_ids: np.ndarray, cache: KVCache, tree: np.ndarray | None = None,
+                depth: np.ndarray | None = None) -> np.ndarray:
         """Score `input_ids` # [batch, new] after the cache; returns logits # [batch, new, logits_width].
 
         The cache must have the same batch; it is replaced by the call's `present` (past + new positions).
+        tree # [new, new] bool (batch 1, graphs with a tree mask only): tree[i, j] = new token i
+        attends to new token j (its ancestors and itself); depth # [new]: position = past + depth.
+        Without a tree the new tokens are causal, as in plain decoding.
         """
         spec = self.spec
         batch, new = input_ids.shape
         past = cache.length
-        feeds = {spec.input_ids: np.ascontiguousarray(input_ids, dtype=np.int64),
-                 spec.attention_mask: np.ones((batch, past + new), dtype=np.int64)}  # [batch, past + new]
+        feeds = {spec.input_ids: np.ascontiguousarray(input_ids, dtype=np.int64)}
+        if spec.tree_mask:
+            if tree is None:
+                tree = np.tri(new, dtype=bool)                                  # causal
+            mask = np.ones((batch, 1, new, past + new), dtype=bool)             # [batch, 1, new, past + new]
+            mask[:, 0, :, past:] = tree
+            feeds[spec.tree_mask] = mask
+        elif tree is not None:
+            raise ValueError("this graph takes no tree mask; export it with one to verify a token tree")
+        if spec.attention_mask:
+            feeds[spec.attention_mask] = np.ones((batch, past + new), dtype=np.int64)  # [batch, past + new]
         if spec.position_ids:
-            positions = np.arange(past, past + new, dtype=np.int64)
+            offsets = np.arange(new) if depth is None else np.asarray(depth)
+            positions = (past + offsets).astype(np.int64)
             feeds[spec.position_ids] = np.broadcast_to(positions, (batch, new)).copy()  # [batch, new]
         for (k_name, v_name), (k, v) in zip(spec.past, cache.layers):
             feeds[k_name], feeds[v_name] = k, v

@@ -16,6 +16,7 @@ class GenerationStats:
     steps: int = 0                   # speculative steps (one target call each)
     drafted: int = 0                 # draft positions offered for verification (L per step)
     accepted: int = 0                # draft tokens accepted
+    scored: int = 0                  # tokens the target scored in speculative steps (rows x (L+1), or trie nodes)
     reached: list[int] = field(default_factory=list)       # steps that verified draft position j
     accepted_at: list[int] = field(default_factory=list)   # steps that accepted draft position j
     stop_reason: str = ""            # max_new_tokens | eos | stop | context

@@ -144,6 +144,8 @@ class Draws:
     target_calls: int
     draft_calls: int
     seconds: float
+    scored: int = 0               # tokens the target scored in speculative steps
+    steps: int = 0
 
 
 def draw(gen, cfg: Config) -> Draws:
@@ -163,9 +165,9 @@ def draw(gen, cfg: Config) -> Draws:
             counts[name][ids[window]] += 1
         s = res.stats
         totals.update(accepted=s.accepted, drafted=s.drafted, target_calls=s.target_calls,
-                      draft_calls=s.draft_calls)
+                      draft_calls=s.draft_calls, scored=s.scored, steps=s.steps)
     return Draws(counts, cfg.draws, totals["accepted"], totals["drafted"], totals["target_calls"],
-                 totals["draft_calls"], time.perf_counter() - started)
+                 totals["draft_calls"], time.perf_counter() - started, totals["scored"], totals["steps"])
 
 
 def check_law(draws: Draws, laws: dict[str, dict]) -> list[str]:
@@ -298,3 +300,72 @@ def test_greedy_speculative_equals_target_only(gen):
             accepted += res.stats.accepted
             drafted += res.stats.drafted
     assert 0 < accepted < drafted, (accepted, drafted)
+
+
+# --------------------------------------------------------------------------- tree verification
+# The same toy models with a 4D mask input (export/tree_mask.py): k > 1 candidates are scored as one
+# token trie in a batch-1 call and the accepted path's cache entries are gathered (SPECTR.md 5).
+
+TREE_CONFIGS = [
+    Config(2, 2, 1.0, seed=20),
+    Config(4, 3, 1.0, seed=21),
+    Config(4, 2, 0.7, top_k=3, top_p=0.9, prompt=LONG_PROMPT, seed=22),
+]
+
+
+@pytest.fixture(scope="module")
+def tree_bundle(tmp_path_factory):
+    return build_toy_bundle(tmp_path_factory.mktemp("toy_tree"), seed_target=11, seed_draft=12, tree_mask=True)
+
+
+@pytest.fixture(scope="module")
+def tree_gen(tree_bundle):
+    import spectr_edge
+
+    gen = spectr_edge.load(tree_bundle, provider="cpu", threads=1)
+    assert gen.target.takes_tree
+    return gen
+
+
+def assert_trie_was_used(cfg: Config, draws: Draws) -> None:
+    # replication scores k x (L + 1) tokens per step; a trie shares the root and common prefixes
+    assert draws.scored < draws.steps * cfg.num_candidates * (cfg.draft_len + 1), (draws.scored, draws.steps)
+
+
+@pytest.mark.parametrize("cfg", TREE_CONFIGS, ids=str)
+def test_tree_verification_output_law_equals_target(tree_bundle, tree_gen, cfg):
+    draws = draw(tree_gen, cfg)
+    assert_trie_was_used(cfg, draws)
+    assert_engine_follows_target(tree_bundle, tree_gen, cfg, draws)
+
+
+def test_negative_control_tree_without_gather(tree_bundle, tree_gen, monkeypatch):
+    """Committing a trie path by cropping (keeping the first nodes, not the path's) is detected."""
+    from spectr_edge.kv_cache import KVCache
+
+    def crop_instead(self, keep, positions):
+        self.crop(keep + len(positions))
+
+    monkeypatch.setattr(KVCache, "gather", crop_instead)
+    cfg = Config(4, 3, 1.0, draws=NEGATIVE_DRAWS, seed=23)
+    draws = draw(tree_gen, cfg)
+    assert_trie_was_used(cfg, draws)
+    stats = chi_square_stats(draws, window_laws(tree_bundle, cfg))
+    assert any(stat > limit for stat, limit in stats), stats
+
+
+def test_tree_greedy_equals_target_only(tree_gen):
+    """Greedy with a tree target: k = 1 is the chain; k > 1 adds k - 1 side leaves per depth."""
+    rng = np.random.default_rng(19)
+    accepted = leaves = 0
+    for trial in range(12):
+        prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(1, 6)))]
+        plain = tree_gen.generate_ids(prompt, max_new_tokens=16, temperature=0.0, num_candidates=0).token_ids
+        for num_candidates, draft_len in ((1, 3), (4, 2), (2, 3), (3, 4)):
+            res = tree_gen.generate_ids(prompt, max_new_tokens=16, temperature=0.0, draft_stop=0.0,
+                                        num_candidates=num_candidates, draft_len=draft_len)
+            assert res.token_ids == plain, (prompt, num_candidates, draft_len)
+            accepted += res.stats.accepted
+            leaves += res.stats.scored - res.stats.drafted - res.stats.steps   # nodes beyond root + chain
+    assert accepted > 0 and leaves > 0, (accepted, leaves)
+

@@ -198,13 +198,17 @@ def make_draft(target_dir: Path, out_dir: Path, num_layers: int = 2, seed: int =
 # ---- bundles -------------------------------------------------------------------------------------
 
 def build_tiny_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
-    """tiny-llama: 4-layer Llama target + 2-layer perturbed-copy draft, both float32."""
+    """tiny-llama: 4-layer Llama target + 2-layer perturbed-copy draft, both float32.
+
+    Exported with --no-tree-mask (2D attention mask, replicated verification), as bundles made
+    before tree masks existed; tiny-qwen has tree masks, so both verification paths are covered.
+    """
     from export import export_bundle
 
     tok = make_tokenizer(work / "tokenizer")
     target = make_llama(work / "llama", tok)
     draft = make_draft(target, work / "llama-draft", num_layers=2)
-    return export_bundle(out, target=str(target), draft=str(draft), log=log)
+    return export_bundle(out, target=str(target), draft=str(draft), tree_mask=False, log=log)
 
 
 def build_tiny_qwen_bundle(out: Path, work: Path, log=lambda s: None) -> Path:

@@ -324,8 +324,12 @@ def build_tokenizer(vocab_size: int):
 
 
 def build_toy_bundle(out_dir, *, seed_target: int, seed_draft: int, vocab_size: int = 5,
-                     draft_closeness: float = 0.85) -> Path:
-    """Write a complete bundle (target + draft graphs, tokenizer, spectr.json) to out_dir."""
+                     draft_closeness: float = 0.85, tree_mask: bool = False) -> Path:
+    """Write a complete bundle (target + draft graphs, tokenizer, spectr.json) to out_dir.
+
+    tree_mask: both graphs go through export/tree_mask.py (the shared `allowed` mask becomes
+    the 4D input tree_attention_mask), so the engine verifies k > 1 candidates as a token trie.
+    """
     out = Path(out_dir)
     target, draft = make_params(seed_target, seed_draft, vocab_size, draft_closeness)
     tokenizer = build_tokenizer(vocab_size)
@@ -337,7 +341,13 @@ def build_toy_bundle(out_dir, *, seed_target: int, seed_draft: int, vocab_size: 
 
     def model_entry(role: str, params: ToyParams) -> dict:
         (out / role).mkdir(exist_ok=True)
-        onnx.save(build_graph(params, f"toy_{role}"), str(out / role / "model.onnx"))
+        graph = build_graph(params, f"toy_{role}")
+        still_has_mask = True
+        if tree_mask:
+            from export.tree_mask import add_tree_mask
+
+            graph, still_has_mask = add_tree_mask(graph)
+        onnx.save(graph, str(out / role / "model.onnx"))
         tokenizer.save(str(out / role / "tokenizer.json"))
         past = [list(_layer_names(l)[:2]) for l in range(params.num_layers)]
         present = [list(_layer_names(l)[2:]) for l in range(params.num_layers)]
@@ -355,10 +365,10 @@ def build_toy_bundle(out_dir, *, seed_target: int, seed_draft: int, vocab_size: 
             "head_dim": params.head_dim,
             "logits_width": params.logits_width,
             "context_length": CONTEXT_LENGTH,
-            "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+            "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask" if still_has_mask else None,
                        "position_ids": "position_ids", "past": past},
             "outputs": {"logits": "logits", "present": present},
-            "tree_mask": False,
+            "tree_mask": "tree_attention_mask" if tree_mask else False,
             "parity_max_abs_diff": None,
             "size_bytes": (out / role / "model.onnx").stat().st_size,
         }

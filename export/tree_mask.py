@@ -1,0 +1,280 @@
+"""Make an exported decoder take a 4D attention mask, for tree verification (SPECTR.md section 5).
+
+An optimum export builds one boolean mask [batch, 1, new, past + new] inside the graph from
+the 2D `attention_mask` (causal and padding rules) and every layer's attention reads it.
+`add_tree_mask` finds that shared tensor and turns it into a graph input, so the caller
+chooses which cached and new positions each new token attends to (a token trie: each node
+sees the past and its ancestors). Weights are untouched: only the graph proto changes (a
+few MB even for a 1.5B model whose weights live in external data), and the nodes that
+built the mask are pruned, so `attention_mask` disappears from the inputs.
+
+How the tensor is found, without relying on node names: the candidates are tensors that
+depend on `attention_mask`, not on hidden states (nothing after a MatMul), and lie on the
+path of every attention Softmax; the one
+closest to the Softmaxes (no other candidate below it) is the shared mask. Anything else
+(no Softmax, no single shared tensor, not boolean) is an ExportError that says so.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from spectr_edge.errors import ExportError
+
+TREE_MASK_INPUT = "tree_attention_mask"
+
+
+def _shared_mask(graph, mask_input: str) -> str:
+    producer = {o: n for n in graph.node for o in n.output}
+    consumers = defaultdict(list)
+    for n in graph.node:
+        for i in n.input:
+            consumers[i].append(n)
+    def downstream(starts) -> set[str]:
+        seen, todo = set(starts), list(starts)
+        while todo:
+            for n in consumers[todo.pop()]:
+                for o in n.output:
+                    if o not in seen:
+                        seen.add(o)
+                        todo.append(o)
+        return seen
+
+    # tensors that depend on the 2D mask but not on hidden states (anything after a matrix product)
+    hidden = downstream([o for n in graph.node if n.op_type in ("MatMul", "MatMulNBits", "Gemm") for o in n.output])
+    depends = downstream([mask_input]) - hidden
+    softmaxes = [n for n in graph.node if n.op_type == "Softmax"]
+    if not softmaxes:
+        raise ExportError("the graph has no Softmax (fused attention?); tree verification needs an optimum "
+                          "export with unfused attention")
+
+    def ancestors(tensor: str) -> set[str]:   # within the mask-derived tensors
+        seen, todo = set(), [tensor]
+        while todo:
+            t = todo.pop()
+            if t in seen or t not in depends:
+                continue
+            seen.add(t)
+            if t in producer:
+                todo.extend(i for i in producer[t].input if i)
+        return seen
+
+    def entries(softmax) -> set[str]:
+        """Mask-derived tensors a few nodes above this Softmax: where the mask enters its scores."""
+        found, frontier = set(), [softmax.input[0]]
+        for _ in range(4):
+            nxt = []
+            for t in frontier:
+                if t in depends:
+                    found.add(t)
+                elif t in producer:
+                    nxt.extend(i for i in producer[t].input if i)
+            frontier = nxt
+        return found
+
+    per_layer = []
+    for s in softmaxes:
+        anc = set()
+        for e in entries(s):
+            anc |= ancestors(e)
+        per_layer.append(anc)
+    common = set.intersection(*per_layer)
+    common.discard(mask_input)
+    lowest = [t for t in common if not any(o in common for n in consumers[t] for o in n.output)]
+    if len(lowest) != 1:
+        raise ExportError(f"could not find the one attention mask all {len(softmaxes)} attention layers share "
+                          f"(found {len(lowest)} candidates); this export cannot take a tree mask")
+    return lowest[0]
+
+
+def _prune(graph) -> None:
+    """Drop nodes whose outputs reach no graph output, then inputs nothing reads."""
+    producer = {o: n for n in graph.node for o in n.output}
+    needed, todo = set(), [o.name for o in graph.output]
+    keep = set()
+    while todo:
+        t = todo.pop()
+        if t in needed:
+            continue
+        needed.add(t)
+        n = producer.get(t)
+        if n is not None and id(n) not in keep:
+            keep.add(id(n))
+            todo.extend(i for i in n.input if i)
+            for a in n.attribute:   # nodes with subgraphs (If/Loop) read outer tensors too
+                if a.g is not None and a.g.node:
+                    todo.extend(i for sub in a.g.node for i in sub.input if i)
+    nodes = [n for n in graph.node if id(n) in keep]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    inputs = [i for i in graph.input if i.name in used]
+    del graph.input[:]
+    graph.input.extend(inputs)
+
+
+def add_tree_mask(model, mask_input: str = "attention_mask") -> tuple[object, bool]:
+    """Rewrite an onnx ModelProto in place; returns (model, whether attention_mask is still an input)."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    if any(i.name == TREE_MASK_INPUT for i in graph.input):
+        raise ExportError(f"the graph already takes {TREE_MASK_INPUT}")
+    if not any(i.name == mask_input for i in graph.input):
+        raise ExportError(f"the graph has no '{mask_input}' input to replace")
+    shared = _shared_mask(graph, mask_input)
+    producer = {o: n for n in graph.node for o in n.output}
+    if producer[shared].op_type not in ("Expand", "And", "Or", "LessOrEqual", "Less", "Equal", "Not", "Greater",
+                                        "GreaterOrEqual", "Cast", "Where", "Identity"):
+        raise ExportError(f"the shared attention mask {shared} comes from a {producer[shared].op_type} node, "
+                          "not a boolean mask; this export cannot take a tree mask")
+    for n in graph.node:
+        for idx, name in enumerate(n.input):
+            if name == shared:
+                n.input[idx] = TREE_MASK_INPUT
+    graph.input.append(helper.make_tensor_value_info(
+        TREE_MASK_INPUT, TensorProto.BOOL, ["batch_size", 1, "sequence_length", "total_sequence_length"]))
+    _prune(graph)
+    still = any(i.name == mask_input for i in graph.input)
+    return model, still
+
+
+def _session(path: Path):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def _run(sess, entry: dict, ids: np.ndarray, past: list | None, tree=None, depth=None) -> tuple:
+    """One call of a graph described by a manifest entry; returns (logits [n, W], presents)."""
+    inputs, outputs = entry["inputs"], entry["outputs"]
+    n, p = len(ids), (0 if past is None else past[0].shape[2])
+    feed = {inputs["input_ids"]: ids[None].astype(np.int64),
+            inputs["position_ids"]: (p + (np.arange(n) if depth is None else depth))[None].astype(np.int64)}
+    if inputs.get("attention_mask"):
+        feed[inputs["attention_mask"]] = np.ones((1, p + n), np.int64)
+    if entry.get("tree_mask"):
+        mask = np.ones((1, 1, n, p + n), bool)
+        mask[0, 0, :, p:] = np.tri(n, dtype=bool) if tree is None else tree
+        feed[entry["tree_mask"]] = mask
+    shape = (1, entry["num_kv_heads"], 0, entry["head_dim"])
+    for layer, (k, v) in enumerate(inputs["past"]):
+        feed[k] = past[2 * layer] if past else np.zeros(shape, np.float32)
+        feed[v] = past[2 * layer + 1] if past else np.zeros(shape, np.float32)
+    names = [outputs["logits"]] + [x for kv in outputs["present"] for x in kv]
+    res = sess.run(names, feed)
+    return res[0][0].astype(np.float32), res[1:]
+
+
+def check_tree_graph(original: Path, rewritten: Path, entry: dict, new_entry: dict, ids: np.ndarray) -> float:
+    """ExportError unless the rewritten graph scores a causal chain and a token tree like the original.
+
+    ids # [n >= 8]. Chain: all n ids in one call, both graphs. Tree: the first n-3 ids, then
+    nodes [r, a, b, c] with r = ids[-3], a = ids[-2] (child of r), b = another token (child of r),
+    c = ids[-1] (child of a): r, a, c must score exactly like positions n-3, n-2, n-1 of the chain.
+    Returns the largest difference seen.
+    """
+    from .onnx_export import parity_tolerance
+
+    ref, _ = _run(_session(original), entry, ids, None)                          # [n, W]
+    sess = _session(rewritten)
+    chain, _ = _run(sess, new_entry, ids, None)
+    _, past = _run(sess, new_entry, ids[:-3], None)
+    other = (int(ids[-2]) + 1) % max(2, int(ids.max()) + 1)
+    tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], bool)
+    nodes, _ = _run(sess, new_entry, np.array([ids[-3], ids[-2], other, ids[-1]]), past, tree,
+                    np.array([0, 1, 1, 2]))
+    diffs = [float(np.abs(chain - ref).max()), float(np.abs(nodes[[0, 1, 3]] - ref[-3:]).max())]
+    if _per_call_quantized(rewritten):
+        # int8 dynamic quantization scales activations per call, so a token's logits depend on the
+        # other tokens of the call: the tree cannot match the chain exactly (nor can k rows x L)
+        diffs[1] = 0.0
+    tol = parity_tolerance(ref)
+    if max(diffs) > tol:
+        raise ExportError(f"the tree-mask graph {rewritten.name} scores differently from the original "
+                          f"(chain {diffs[0]:.2e}, tree {diffs[1]:.2e} > {tol:.2e}); this export cannot take "
+                          "a tree mask (use --no-tree-mask)")
+    return max(diffs)
+
+
+def _per_call_quantized(path: Path) -> bool:
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return any(n.op_type == "DynamicQuantizeLinear" for n in graph.node)
+
+
+def tree_entry(entry: dict, still_has_mask: bool) -> dict:
+    new = {**entry, "inputs": dict(entry["inputs"]), "tree_mask": TREE_MASK_INPUT}
+    if not still_has_mask:
+        new["inputs"]["attention_mask"] = None
+    return new
+
+
+def rewrite_graph(src: Path, dst: Path) -> bool:
+    """Write the tree-mask version of src (same external data, same directory) to dst, atomically.
+
+    Returns whether attention_mask is still an input.
+    """
+    import os
+
+    import onnx
+
+    if src.parent.resolve() != dst.parent.resolve():
+        raise ExportError("the tree-mask graph must sit beside its external data")
+    model = onnx.load(str(src), load_external_data=False)
+    model, still = add_tree_mask(model)
+    tmp = dst.with_name(dst.name + f".partial-{os.getpid()}")
+    try:
+        onnx.save(model, str(tmp))
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return still
+
+
+def add_tree_mask_to_bundle(bundle: Path, log=print) -> list[str]:
+    """Upgrade an existing bundle in place: every graph without a tree mask gets one.
+
+    Each model's new graph is written as model.tree.onnx beside the old one (the weights are
+    shared), checked, then the manifest is switched to it atomically and the old graph file
+    removed, so an interruption at any point leaves a loadable bundle. Returns the roles changed.
+    """
+    import json
+    import os
+
+    bundle = Path(bundle)
+    manifest_path = bundle / "spectr.json"
+    if not manifest_path.is_file():
+        raise ExportError(f"{bundle} is not a bundle (no spectr.json); export one first")
+    manifest = json.loads(manifest_path.read_text())
+    changed = []
+    for role, entry in manifest["models"].items():
+        if entry.get("tree_mask"):
+            log(f"{role}: already takes a tree mask")
+            continue
+        if not entry["inputs"].get("position_ids"):
+            raise ExportError(f"the {role} graph has no position_ids input; a tree needs explicit positions")
+        src = bundle / entry["file"]
+        dst = src.with_name(src.stem + ".tree.onnx")
+        log(f"{role}: rewriting {entry['file']} to take a 4D attention mask ...")
+        still = rewrite_graph(src, dst)
+        new_entry = tree_entry(entry, still)
+        new_entry["file"] = dst.relative_to(bundle).as_posix()
+        vocab = int(manifest["tokenizer"]["vocab_size"])
+        ids = (np.arange(11) * 7919 + 13) % vocab
+        diff = check_tree_graph(src, dst, entry, new_entry, ids)
+        log(f"{role}: chain and tree logits match the original (max diff {diff:.1e})")
+        manifest["models"][role] = new_entry
+        tmp = manifest_path.with_name(f"spectr.json.partial-{os.getpid()}")
+        tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+        os.replace(tmp, manifest_path)
+        src.unlink()
+        changed.append(role)
+    return changed
