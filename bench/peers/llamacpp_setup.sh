@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Build llama-cpp-python 0.3.36 from source into its own environment, bench/.venv-llamacpp,
+# for bench/workers/llamacpp_worker.py. The build takes ~6 minutes on 2 cores; nothing else
+# CPU-heavy (in particular no timing benchmark) should run meanwhile.
+#
+# CPU build, generic x86-64 (not -march=native): GGML_NATIVE=OFF with the x86-64-v3 instruction
+# sets spelled out (SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512), so the library does not
+# depend on the build machine. They are spelled out because ggml turns them on by default only
+# when GGML_NATIVE_DEFAULT is ON, which it is not when SOURCE_DATE_EPOCH is set -- that would
+# silently give an SSE2-only build (vendor/llama.cpp/ggml/CMakeLists.txt). No BLAS, CUDA or curl.
+#
+#     bash bench/peers/llamacpp_setup.sh            # PYTHON=python3.11 to choose the interpreter
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+VENV="$ROOT/bench/.venv-llamacpp"
+PYTHON="${PYTHON:-python3}"
+VERSION=0.3.36
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install --upgrade pip
+
+export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON \
+-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_BACKEND_DL=OFF \
+-DGGML_CPU_ALL_VARIANTS=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release"
+export CMAKE_BUILD_PARALLEL_LEVEL=2      # 2 compile jobs
+export FORCE_CMAKE=1
+
+# --no-binary: build from the sdist even if a wheel exists; --no-cache-dir: never reuse a wheel
+# built earlier with other flags.
+"$VENV/bin/python" -m pip install --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==$VERSION"
+
+"$VENV/bin/python" - <<'PY'
+import llama_cpp
+print("llama-cpp-python", llama_cpp.__version__)
+print(llama_cpp.llama_print_system_info().decode())
+PY
