@@ -187,6 +187,7 @@ def _add_tree_mask(role: str, entry: dict, bundle: Path, progress: Progress, ids
         new = tree_mask.tree_entry(entry, still)
         diff = tree_mask.check_tree_graph(src, tmp, entry, new, ids[:32])
         os.replace(tmp, src)
+        new["size_bytes"] = sum(f.stat().st_size for f in onnx_export.model_files(src))
         progress.log(f"      chain and tree logits match the original graph (max diff {diff:.1e})")
     return new
 

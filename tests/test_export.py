@@ -65,8 +65,13 @@ class Runner:
         i = self.m["inputs"]
         n = len(ids)
         feed = {i["input_ids"]: np.array([ids], np.int64),  # [1, n]
-                i["attention_mask"]: np.ones((1, self.pos + n), np.int64),  # [1, past + n]
                 **dict(zip(self.past, self.cache))}
+        if i["attention_mask"]:
+            feed[i["attention_mask"]] = np.ones((1, self.pos + n), np.int64)  # [1, past + n]
+        if self.m["tree_mask"]:   # causal: new token t sees the past and new tokens <= t
+            mask = np.ones((1, 1, n, self.pos + n), bool)  # [1, 1, n, past + n]
+            mask[0, 0, :, self.pos:] = np.tri(n, dtype=bool)
+            feed[self.m["tree_mask"]] = mask
         if i["position_ids"]:
             feed[i["position_ids"]] = np.arange(self.pos, self.pos + n, dtype=np.int64)[None]  # [1, n]
         out = self.sess.run([self.m["outputs"]["logits"]] + self.present, feed)
@@ -118,12 +123,16 @@ def test_manifest_matches_format_and_graph(name, request):
         outs = [o.name for o in sess.get_outputs()]
         past = [n for kv in e["inputs"]["past"] for n in kv]
         present = [n for kv in e["outputs"]["present"] for n in kv]
-        assert ins == [e["inputs"]["input_ids"], e["inputs"]["attention_mask"], e["inputs"]["position_ids"]] + past
+        if e["tree_mask"]:   # tiny-qwen: the graph's causal mask became the 4D input, attention_mask is gone
+            assert e["tree_mask"] == "tree_attention_mask" and e["inputs"]["attention_mask"] is None
+            assert ins == [e["inputs"]["input_ids"], e["inputs"]["position_ids"]] + past + [e["tree_mask"]]
+        else:                # tiny-llama, exported with tree_mask=False
+            assert ins == [e["inputs"]["input_ids"], e["inputs"]["attention_mask"], e["inputs"]["position_ids"]] + past
         assert outs == [e["outputs"]["logits"]] + present
         assert len(e["inputs"]["past"]) == e["num_layers"] and past[0] == "past_key_values.0.key"
-        kv_shape = sess.get_inputs()[3].shape
+        kv_shape = next(i for i in sess.get_inputs() if i.name == past[0]).shape
         assert kv_shape[1] == e["num_kv_heads"] == 2 and kv_shape[3] == e["head_dim"] == 16
-        assert e["dtype"] == "float32" and e["tree_mask"] is False and e["context_length"] == 512
+        assert e["dtype"] == "float32" and e["context_length"] == 512
         files = [bundle / e["file"]] + [p for p in (bundle / role).iterdir() if p.name.startswith("model.onnx.")]
         assert e["size_bytes"] == sum(f.stat().st_size for f in files)
         logits = Runner(bundle, role)(encode(bundle, "def fibonacci(n):"))
@@ -170,7 +179,7 @@ def onnx_dir(tmp_path_factory, tiny_qwen_dir) -> Path:
     return out
 
 
-@pytest.mark.parametrize("arch,draft_quant,steps", [("llama", "none", 6), ("qwen", "int4", 7)])
+@pytest.mark.parametrize("arch,draft_quant,steps", [("llama", "none", 8), ("qwen", "int4", 9)])
 def test_fresh_export_logs_numbered_steps(tmp_path, request, arch, draft_quant, steps):
     """The real path (optimum export, parity vs PyTorch, quantization) on fresh tiny models."""
     target, draft = (request.getfixturevalue(f"tiny_{arch}{s}_dir") for s in ("", "_draft"))
@@ -182,7 +191,10 @@ def test_fresh_export_logs_numbered_steps(tmp_path, request, arch, draft_quant, 
     assert f"[2/{steps}] exporting target to ONNX ..." in numbered
     assert sum(bool(re.match(r"^ +done in \d+\.\d s$", ln)) for ln in lines) == steps
     assert sum(bool(re.match(r"^ +max \|ONNX - PyTorch\| logits = ", ln)) for ln in lines) == 2
+    assert sum("adding a tree mask to the" in ln for ln in numbered) == 2      # one per graph, checked
+    assert sum(bool(re.match(r"^ +chain and tree logits match", ln)) for ln in lines) == 2
     m = manifest(out)
+    assert all(e["tree_mask"] == "tree_attention_mask" for e in m["models"].values())
     assert m["name"] == "b" and m["models"]["draft"]["quant"] == draft_quant
     assert 0 <= m["models"]["target"]["parity_max_abs_diff"] < 1e-3
 
