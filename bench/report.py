@@ -151,7 +151,7 @@ def plot_speedup_by_task(raw: dict, path: Path, limit: int = 8) -> None:
         candidates = list(best.values())
     names = [m["name"] for m in candidates]
     cols = list(next(iter(tasks.values())).keys()) + ["all"]
-    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(cols) * max(1, len(names)) / 3), 4.8))
+    fig, ax = plt.subplots(figsize=(min(14, max(7, 0.22 * len(cols) * len(names) + 2)), 5))
     width = 0.8 / max(1, len(names))
     for i, n in enumerate(names):
         vals = [tasks[n][c] for c in cols[:-1]] + [table[n]["speedup"]]

@@ -3,7 +3,8 @@
     .venv/bin/python bench/tree_twin.py models/default models/default-tree
 
 Copies the small files of SRC (manifest, tokenizers, graph protos) into DST, links the
-large external-data files (the weights) instead of copying them, and upgrades DST in place
+large external-data files (the weights) instead of copying them (hard links: same
+filesystem), and upgrades DST in place
 with `spectr-edge export --add-tree-mask` (export/tree_mask.py), which checks the new graphs
 against the originals. SRC is not modified. Run `bench/run.py --suite tree --bundle SRC
 --tree-bundle DST` to compare replicated and trie verification on the same weights.
@@ -11,6 +12,7 @@ against the originals. SRC is not modified. Run `bench/run.py --suite tree --bun
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -30,9 +32,9 @@ def main(src: str, dst: str) -> None:
         target = dst_dir / f.relative_to(src_dir)
         if f.is_dir():
             target.mkdir(parents=True, exist_ok=True)
-        elif f.stat().st_size > LINK_ABOVE:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.symlink_to(f)
+        elif f.stat().st_size > LINK_ABOVE:   # a hard link: ONNX Runtime refuses external data outside
+            target.parent.mkdir(parents=True, exist_ok=True)   # the model's folder, symlinks included
+            os.link(f, target)
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, target)
