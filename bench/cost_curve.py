@@ -87,9 +87,8 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from report import _plt, save
+    plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for role, ms in result.items():
         base = ms["1x1"]
@@ -105,9 +104,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title("Verification cost curve (one ONNX Runtime call)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv=None) -> None:

@@ -135,6 +135,12 @@ def _plt():
     return plt
 
 
+def save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+
+
 def plot_speedup_by_task(raw: dict, path: Path, limit: int = 8) -> None:
     """Bars: speedup per method per task. With many methods, the best L per (temperature, k) is shown."""
     plt = _plt()
@@ -163,9 +169,7 @@ def plot_speedup_by_task(raw: dict, path: Path, limit: int = 8) -> None:
     ax.set_title("Speedup per Spec-Bench task")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_kl_grid(raw: dict, path: Path) -> bool:
@@ -196,9 +200,7 @@ def plot_kl_grid(raw: dict, path: Path) -> bool:
         ax.set_yticks(range(len(ks)), [f"k={k}" for k in ks])
         ax.set_title(f"tokens/s (speedup), T={temp:g}")
         fig.colorbar(im, ax=ax, shrink=0.8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 
@@ -218,9 +220,7 @@ def plot_acceptance(raw: dict, path: Path, limit: int = 10) -> bool:
     ax.set_title("Acceptance per draft position")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 

@@ -188,12 +188,7 @@ class Engine:
         on_chain = 0                                    # accepted tokens that are the chain's (the draft saw them)
         while on_chain < min(accepted, draft_len) and tokens[on_chain] == chain[on_chain]:
             on_chain += 1
-        stats.drafted += draft_len
-        stats.accepted += accepted
-        for j in range(min(accepted + 1, draft_len)):
-            stats.reached[j] += 1
-        for j in range(min(accepted, draft_len)):
-            stats.accepted_at[j] += 1
+        _record_step(stats, draft_len, accepted)
         t_cache.gather(past, past + np.asarray(path))
         draft_seen = len(ids) + min(on_chain, draft_len - 1)
         d_cache.crop(draft_seen)
@@ -229,12 +224,7 @@ class Engine:
                                            self.vocab_size, rng)
         stats.seconds_select += time.perf_counter() - t0
         accepted = len(tokens) - 1
-        stats.drafted += draft_len
-        stats.accepted += accepted
-        for j in range(min(accepted + 1, draft_len)):
-            stats.reached[j] += 1
-        for j in range(accepted):
-            stats.accepted_at[j] += 1
+        _record_step(stats, draft_len, accepted)
         # 4. commit: keep the surviving row, crop both caches to what they saw of the accepted path
         if trie is not None:                              # the path's nodes, moved to contiguous positions
             t_cache.gather(past, past + trie.node_of[row_of[survivor], :accepted + 1])
@@ -314,6 +304,16 @@ class _RowLogits:
     def __getitem__(self, index) -> np.ndarray:
         row, j = index
         return self.node_logits[self.node_of[row, j]]
+
+
+def _record_step(stats: GenerationStats, draft_len: int, accepted: int) -> None:
+    """Count one verified step: draft_len positions offered, the first `accepted` of them kept."""
+    stats.drafted += draft_len
+    stats.accepted += accepted
+    for j in range(min(accepted + 1, draft_len)):
+        stats.reached[j] += 1
+    for j in range(accepted):
+        stats.accepted_at[j] += 1
 
 
 def _next_best(logits: np.ndarray, best: int, count: int) -> list[int]:

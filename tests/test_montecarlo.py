@@ -231,6 +231,12 @@ def assert_engine_follows_target(bundle, gen, cfg: Config, draws: Draws) -> None
     assert not failures, f"{cfg}: output law differs from the target's:\n" + "\n".join(failures)
 
 
+def assert_law_rejected(bundle, cfg: Config, draws: Draws) -> None:
+    """Negative controls: the chi-square test must reject the target law in some window."""
+    stats = chi_square_stats(draws, window_laws(bundle, cfg))
+    assert any(stat > limit for stat, limit in stats), stats
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -282,8 +288,7 @@ def test_negative_control_rho_one(bundle, gen, monkeypatch, num_candidates):
     cfg = Config(num_candidates, 1, 1.0, draws=NEGATIVE_DRAWS, seed=40 + num_candidates)
     draws = draw(gen, cfg)
     assert draws.accepted > 0
-    stats = chi_square_stats(draws, window_laws(bundle, cfg))
-    assert any(stat > limit for stat, limit in stats), stats
+    assert_law_rejected(bundle, cfg, draws)
 
 
 def test_greedy_speculative_equals_target_only(gen):
@@ -350,8 +355,7 @@ def test_negative_control_tree_without_gather(tree_bundle, tree_gen, monkeypatch
     cfg = Config(4, 3, 1.0, draws=NEGATIVE_DRAWS, seed=23)
     draws = draw(tree_gen, cfg)
     assert_trie_was_used(cfg, draws)
-    stats = chi_square_stats(draws, window_laws(tree_bundle, cfg))
-    assert any(stat > limit for stat, limit in stats), stats
+    assert_law_rejected(tree_bundle, cfg, draws)
 
 
 def test_tree_greedy_equals_target_only(tree_gen):
