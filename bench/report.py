@@ -27,21 +27,43 @@ def _ok(rows):
 
 def _baselines(rows, methods):
     base_name = {m["temperature"]: m["name"] for m in methods if m.get("baseline") and m["tool"] == "spectr-edge"}
-    by = {(r["method"], r["prompt_id"]): r for r in _ok(rows)}
+    by = {(r["method"], r["prompt_id"], r.get("group")): r for r in _ok(rows)}
     return base_name, by
 
 
-def speedups(rows, methods, method, prompts_of=None) -> list[float]:
+def unique_methods(methods) -> list[dict]:
+    """Methods by name, first occurrence: a grouped run repeats its anchors in every group."""
+    seen: dict[str, dict] = {}
+    for m in methods:
+        seen.setdefault(m["name"], m)
+    return list(seen.values())
+
+
+def speedups(rows, methods, method, prompts_of=None, against: str | None = None) -> list[float]:
+    """Per-prompt ratios of a baseline's ms/token to the method's, pairing rows of the same prompt
+    and group. The baseline is spectr-edge's target-only at the method's temperature, or `against`."""
     base_name, by = _baselines(rows, methods)
     t = next(m["temperature"] for m in methods if m["name"] == method)
-    base = base_name.get(t)
+    anchor = base_name.get(t)
+    base = against or anchor
+    groups_of = defaultdict(list)                       # (method, prompt) -> the groups it ran in
+    for (m, pid, g) in by:
+        groups_of[(m, pid)].append(g)
+    ms = lambda m, pid, g: (by.get((m, pid, g)) or {}).get("ms_per_token")  # noqa: E731
     out = []
     for r in _ok(rows):
         if r["method"] != method or (prompts_of and r["prompt_id"] not in prompts_of):
             continue
-        b = by.get((base, r["prompt_id"]))
-        if b and b.get("ms_per_token") and r.get("ms_per_token"):
-            out.append(b["ms_per_token"] / r["ms_per_token"])
+        pid, g, mine = r["prompt_id"], r.get("group"), r.get("ms_per_token")
+        if not mine:
+            continue
+        if ms(base, pid, g):
+            out.append(ms(base, pid, g) / mine)
+        elif against and groups_of.get((against, pid)):
+            # the tool's own baseline ran in another group: compare each with its own group's anchor
+            there = groups_of[(against, pid)][0]
+            if ms(anchor, pid, g) and ms(anchor, pid, there):
+                out.append((ms(anchor, pid, g) / mine) / (ms(anchor, pid, there) / ms(against, pid, there)))
     return out
 
 
@@ -57,7 +79,7 @@ def acceptance_by_position(mine) -> list[float]:
 def summary(raw: dict) -> list[dict]:
     rows, methods = raw["rows"], raw["meta"]["methods"]
     table = []
-    for m in methods:
+    for m in unique_methods(methods):
         mine = [r for r in rows if r["method"] == m["name"]]
         ok = _ok(mine)
         drafted = sum(r.get("drafted") or 0 for r in ok)
@@ -68,6 +90,8 @@ def summary(raw: dict) -> list[dict]:
             "ms_per_token": median(r["ms_per_token"] for r in ok), "ms_per_token_p90": p90(r["ms_per_token"] for r in ok),
             "tokens_per_s": median(r["tokens_per_s"] for r in ok),
             "speedup": median(speedups(rows, methods, m["name"])),
+            "vs_own": median(speedups(rows, methods, m["name"], against=m["own_baseline"]))
+                      if m.get("own_baseline") else None,
             "tokens_per_call": median(r.get("tokens_per_call") for r in ok),
             "acceptance": sum(r.get("accepted") or 0 for r in ok) / drafted if drafted else None,
             "acceptance_by_position": acceptance_by_position(ok),
@@ -81,7 +105,7 @@ def per_task(raw: dict) -> dict[str, dict[str, float]]:
     rows, methods = raw["rows"], raw["meta"]["methods"]
     tasks = [t for t in TASKS if any(p["task"] == t for p in raw["meta"]["prompts"])]
     out = {}
-    for m in methods:
+    for m in unique_methods(methods):
         out[m["name"]] = {}
         for t in tasks:
             ids = {p["id"] for p in raw["meta"]["prompts"] if p["task"] == t}
@@ -93,15 +117,20 @@ def _f(x, fmt):
     return "-" if x is None or x != x else format(x, fmt)
 
 
+def _x(ratio) -> str:
+    return "-" if ratio is None or ratio != ratio else f"{ratio:.2f}x"
+
+
 def markdown(raw: dict) -> str:
     meta, table = raw["meta"], summary(raw)
+    own = any(m.get("own_baseline") for m in meta["methods"])
     lines = [f"Command: `{meta['command']}`", "",
              f"Prompts: {meta['subset']} of Spec-Bench ({len(meta['prompts'])}: ids "
              f"{', '.join(str(p['id']) for p in meta['prompts'])}), {meta['max_new_tokens']} new tokens, "
              f"{meta['date']}, git {meta['machine'].get('git_commit')}.", "",
              "| method | prompts | TTFT ms | ms/token median | ms/token p90 | tokens/s | speedup vs target-only | "
-             "tokens per target call | acceptance | peak RSS GiB | time outside ORT |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens per target call | acceptance | peak RSS GiB | time outside ORT |" + (" vs its own target-only |" if own else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if own else "")]
     for t in table:
         err = f" (failed: {'; '.join(t['errors'])})" if t["errors"] else ""
         lines.append(f"| {t['method']}{err} | {t['prompts']} | {_f(t['ttft_ms'], '.0f')} | "
@@ -109,7 +138,13 @@ def markdown(raw: dict) -> str:
                      f"{_f(t['tokens_per_s'], '.2f')} | {_f(t['speedup'], '.2f')}x | "
                      f"{_f(t['tokens_per_call'], '.2f')} | {_f(t['acceptance'], '.2f')} | "
                      f"{t['peak_rss_gib']:.2f} | "
-                     f"{'-' if t['outside_ort'] is None else _f(100 * t['outside_ort'], '.1f') + '%'} |")
+                     f"{'-' if t['outside_ort'] is None else _f(100 * t['outside_ort'], '.1f') + '%'} |"
+                     + (f" {_x(t['vs_own'])} |" if own else ""))
+    if meta.get("groups") and len(meta["groups"]) > 1:
+        lines += ["", f"Run in groups, one after the other: {', '.join(meta['groups'])}. spectr-edge's target-only "
+                  "methods run in every group as its anchor (hence their larger prompt count); every speedup pairs a "
+                  "row with the anchor of the same prompt and group. 'vs its own target-only' pairs a peer's "
+                  "speculative row with that tool's own target-only row."]
     tasks = per_task(raw)
     names = list(next(iter(tasks.values())).keys()) if tasks else []
     if len(names) > 1:

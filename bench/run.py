@@ -2,12 +2,16 @@
 
     .venv/bin/python bench/run.py --suite issue3 --name spec-grid          # the SpecTr grid (issue 3)
     .venv/bin/python bench/run.py --suite default --quick                 # a few minutes, for development
+    .venv/bin/python bench/run.py --suite peers                           # spectr-edge vs ORT GenAI, HF, llama.cpp
 
 Every method runs in a worker process (bench/workers/), one worker per tool configuration
 that needs its own loaded models, so peers run in their own environments and each
 method's peak resident memory is its worker's. Per prompt every method runs once, in an
 order that reverses from prompt to prompt (A B C, C B A, ...), after one warm-up
-generation per method, so machine drift hits all alike. The prompt is tokenized once
+generation per method, so machine drift hits all alike. A suite too large for memory at
+once (the peers suite: four float32 1.5B models would not fit in 24 GiB) runs in groups,
+one after the other; every group carries spectr-edge's target-only methods as its anchor,
+and speedups pair each row with the anchor of its own group and prompt. The prompt is tokenized once
 (the bundle's chat template) and every method gets the same token ids.
 
 Output: raw.json (meta: command, machine, versions, prompts; rows: one per generation,
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -48,10 +53,83 @@ def spectr(temperature: float, k: int, L: int = 0, stop: float | None = None, la
             "config": cfg, "temperature": temperature, "baseline": k == 0}
 
 
+def lookup(temperature: float, drafter: str) -> dict:
+    """Prompt lookup (spectr_edge/lookup.py), alone or before the draft model; default lengths."""
+    return {"name": f"spectr-edge T={temperature:g} {drafter}", "tool": "spectr-edge", "worker": "spectr",
+            "config": {"temperature": temperature, "drafter": drafter}, "temperature": temperature,
+            "baseline": False}
+
+
 def spectr_default(temperature: float) -> dict:
     """The shipped defaults (no k/L/stop passed: what `spectr-edge generate` does)."""
     return {"name": f"spectr-edge T={temperature:g} default", "tool": "spectr-edge", "worker": "spectr",
             "config": {"temperature": temperature}, "temperature": temperature, "baseline": False}
+
+
+def peer(tool: str, worker: str, label: str, temperature: float, config: dict | None = None,
+         own: str | None = None, max_prompts: int | None = None, limit_reason: str = "") -> dict:
+    """A peer tool's method; `own` = the label of that tool's own target-only at this temperature."""
+    name = lambda lab: f"{tool} T={temperature:g} {lab}"  # noqa: E731
+    m = {"name": name(label), "tool": tool, "worker": worker, "temperature": temperature,
+         "config": {"temperature": temperature, **(config or {})}, "baseline": False,
+         "own_baseline": name(own) if own else None}
+    if max_prompts:
+        m.update(max_prompts=max_prompts, limit_reason=limit_reason)
+    return m
+
+
+def slow(method: dict) -> dict:
+    """ORT GenAI 0.18's speculative decoding at T > 0 runs at ~2-3 s/token here (smoke run of
+    2026-11-30; greedy is normal): those rows run on the first 2 prompts only."""
+    if not method["temperature"]:
+        return method
+    return {**method, "max_prompts": 2,
+            "limit_reason": "ORT GenAI 0.18 speculative sampling takes ~2-3 s/token at T=1 on this CPU"}
+
+
+def peers_suite(int4_bundle: str | None = None) -> list[dict]:
+    """Issue 4's comparison, in three memory-sized groups (see the module docstring).
+
+    spectr-edge (the --bundle; tree masks on, so k > 1 verifies a trie): target-only, k=1 at its
+    best L (3 in the issue-3 grid), the greedy default, SpecTr k=2/4 at their best L. Peers on the
+    same two GGUF files: ORT GenAI (its builder, fp32 and int4 targets, int4 draft, 4 draft
+    tokens as in issue 6), HF transformers assisted generation (its defaults, and 3 tokens = our
+    L), llama.cpp (Q4 GGUF as shipped: target-only, its prompt lookup, a 0.5B draft of 3 tokens).
+    """
+    og, og_d = "ortgenai:qwen1.5b-int4", "ortgenai:qwen1.5b-int4+qwen0.5b-int4"
+    ogf, ogf_d = "ortgenai:qwen1.5b-fp32", "ortgenai:qwen1.5b-fp32+qwen0.5b-int4"
+    groups: dict[str, list[dict]] = {"main": [], "hf": [], "ortgenai-fp32": [], "ortgenai-fp32-draft": []}
+    for t in (0.0, 1.0):
+        anchor = spectr(t, 0)
+        groups["main"] += [anchor, spectr(t, 1, 3)]
+        groups["main"] += [spectr_default(0.0), spectr(0.0, 2, 3)] if t == 0 else [spectr(t, 2, 2), spectr(t, 4, 2)]
+        groups["main"] += [lookup(t, "lookup"), lookup(t, "model+lookup")]
+        # the same bundle with an int4 target (bench/quant_twin.py): lossless with respect to that target
+        q = lambda m: {**on_bundle(m, int4_bundle or str(INT4_BUNDLE), "int4 target"),  # noqa: E731
+                       "own_baseline": None if m["baseline"] else f"spectr-edge T={t:g} target-only [int4 target]"}
+        groups["main"] += [q(spectr(t, 0)), q(lookup(t, "lookup")), q(spectr(t, 1, 3))]
+        groups["main"] += [
+            peer("ortgenai", og, "int4 target-only", t),
+            slow(peer("ortgenai", og_d, "int4 + int4 draft, 4 tokens", t,
+                      {"speculative": "draft", "max_draft_tokens": 4}, own="int4 target-only")),
+            peer("llama.cpp", "llamacpp", "Q4 target-only", t),
+            peer("llama.cpp", "llamacpp", "Q4 prompt lookup", t,
+                 {"speculative": "prompt_lookup", "num_pred_tokens": 10, "max_ngram_size": 2}, own="Q4 target-only"),
+            peer("llama.cpp", "llamacpp", "Q4 + Q4 draft, 3 tokens", t, {"speculative": "draft_model", "num_draft": 3},
+                 own="Q4 target-only")]
+        groups["hf"] += [anchor, peer("transformers", "hf", "fp32 target-only", t),
+                         peer("transformers", "hf", "fp32 assisted (library defaults)", t, {"assistant": True},
+                              own="fp32 target-only"),
+                         peer("transformers", "hf", "fp32 assisted, 3 tokens", t,
+                              {"assistant": True, "num_assistant_tokens": 3, "schedule": "constant"},
+                              own="fp32 target-only", max_prompts=3 if t else None,
+                              limit_reason="~0.6-0.8 s/token, the slowest rows; 3 prompts keep the run under 90 min")]
+        # two groups: spectr-edge's and ORT GenAI's float32 1.5B models (~6.5 GiB each) do not fit three at a time
+        groups["ortgenai-fp32"] += [anchor, peer("ortgenai", ogf, "fp32 target-only", t)]
+        groups["ortgenai-fp32-draft"] += [anchor, slow(peer("ortgenai", ogf_d, "fp32 + int4 draft, 4 tokens", t,
+                                                            {"speculative": "draft", "max_draft_tokens": 4},
+                                                            own="fp32 target-only"))]
+    return [{**m, "group": g} for g, ms in groups.items() for m in ms]
 
 
 def on_bundle(method: dict, bundle: str, tag: str) -> dict:
@@ -80,15 +158,54 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
         return [spectr(0.0, 0), tree(spectr(0.0, 0)), spectr(0.0, 1, 3), tree(spectr(0.0, 2, 3)),
                 tree(spectr(0.0, 3, 4)), spectr(1.0, 0), spectr(1.0, 2, 2), tree(spectr(1.0, 2, 2)),
                 spectr(1.0, 4, 3), tree(spectr(1.0, 4, 3))]
-    raise SystemExit(f"error: unknown suite {name!r}; use issue3, default or tree")
+    if name == "peers":
+        return peers_suite(other_bundle)
+    raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree or peers")
+
+
+GGUF = Path(os.environ.get("SPECTR_GGUF_DIR", "~/.cache/spectr-edge/gguf")).expanduser()
+TARGET_GGUF, DRAFT_GGUF = "Qwen2.5-Coder-1.5B-Instruct.gguf", "Qwen2.5-Coder-0.5B-Instruct.gguf"  # models/README.md
+ORTGENAI = Path(os.environ.get("ORTGENAI_MODELS", "~/.cache/spectr-edge/peers/ortgenai")).expanduser()
+STOP_IDS = "151645,151643"   # spectr-edge's stop ids for Qwen2.5 (<|im_end|>, <|endoftext|>); peers get the same
+INT4_BUNDLE = BENCH.parent / "models" / "default-int4"
+SETUP = {"llamacpp": "bash bench/peers/llamacpp_setup.sh", "ortgenai": "bash bench/peers/ortgenai_setup.sh"}
 
 
 def worker_command(key: str, args) -> list[str]:
-    tool, _, bundle = key.partition(":")
+    tool, _, rest = key.partition(":")
+    threads = ["--threads", str(args.threads)] if args.threads else []
     if tool == "spectr":
-        return ([PY, str(BENCH / "workers" / "spectr_worker.py"), "--bundle", bundle or args.bundle]
-                + (["--threads", str(args.threads)] if args.threads else []))
+        return [PY, str(BENCH / "workers" / "spectr_worker.py"), "--bundle", rest or args.bundle] + threads
+    if tool == "hf":   # transformers lives in the project's [export] extra, i.e. this venv
+        return [PY, str(BENCH / "workers" / "hf_worker.py"), "--target", str(GGUF / TARGET_GGUF),
+                "--draft", str(GGUF / DRAFT_GGUF), "--eos-ids", STOP_IDS, "--threads", str(args.threads or 2)]
+    if tool == "llamacpp":
+        py = BENCH / ".venv-llamacpp" / "bin" / "python"
+        return [str(py), str(BENCH / "workers" / "llamacpp_worker.py"), "--model", str(GGUF / TARGET_GGUF),
+                "--draft", str(GGUF / DRAFT_GGUF), "--eos-ids", STOP_IDS, "--threads", str(args.threads or 2)]
+    if tool == "ortgenai":
+        py = BENCH / ".venv-ortgenai" / "bin" / "python"
+        model, _, draft = rest.partition("+")
+        return ([str(py), str(BENCH / "workers" / "ortgenai_worker.py"), "--model", str(ORTGENAI / model)]
+                + (["--draft", str(ORTGENAI / draft)] if draft else []) + threads)
     raise SystemExit(f"error: no worker for {key!r}")
+
+
+def missing_setup(key: str) -> str | None:
+    """Why a peer worker cannot start (its environment or models are not set up), or None."""
+    tool, _, rest = key.partition(":")
+    if tool == "spectr" and rest and not (Path(rest) / "spectr.json").exists():
+        return (f"{rest} is missing; run `.venv/bin/python bench/quant_twin.py models/default {rest} "
+                f"--target-quant int4`" if "int4" in rest else f"{rest} is missing")
+    if tool in SETUP and not (BENCH / f".venv-{tool}" / "bin" / "python").exists():
+        return f"bench/.venv-{tool} is missing; run `{SETUP[tool]}`"
+    if tool == "ortgenai":
+        for part in rest.split("+"):
+            if not (ORTGENAI / part / "genai_config.json").exists():
+                return f"{ORTGENAI / part} is missing; run `{SETUP[tool]}`"
+    if tool in ("hf", "llamacpp") and not (GGUF / TARGET_GGUF).exists():
+        return f"{GGUF / TARGET_GGUF} is missing; run scripts/setup.sh"
+    return None
 
 
 # -- worker processes -------------------------------------------------------------------------------
@@ -143,6 +260,34 @@ class Worker:
 
 
 # -- the run ----------------------------------------------------------------------------------------
+def start_workers(members: list[dict], args, log) -> tuple[dict, dict]:
+    """Start the workers a group needs; a peer that cannot start becomes a reason in the table."""
+    workers, unavailable = {}, {}
+    for key in dict.fromkeys(m["worker"] for m in members):
+        why = missing_setup(key)
+        if why is None:
+            try:
+                workers[key] = Worker(key, worker_command(key, args), log)
+            except SystemExit as err:   # the worker printed its traceback into log.txt
+                why = str(err).removeprefix("error: ")
+        if why is not None:
+            print(f"warning: {key}: {why}; its rows are reported as not run", file=sys.stderr)
+            unavailable[key] = f"not run: {why}"
+    return workers, unavailable
+
+
+def warm_up(members, workers, unavailable, prompt) -> None:
+    """One short generation per method: allocations, kernel selection, first-shape costs."""
+    for m in members:
+        if m["worker"] in unavailable:
+            continue
+        answer, _ = workers[m["worker"]].request({"id": "warmup", "prompt": prompt["prompt"],
+                                                  "prompt_ids": prompt["prompt_ids"], "max_new_tokens": 8,
+                                                  "seed": 0, "config": m["config"]})
+        if "error" in answer:
+            print(f"warning: {m['name']} failed its warm-up: {answer['error']}", file=sys.stderr)
+
+
 def encode_prompts(bundle: str, prompts: list[dict]) -> None:
     from spectr_edge.bundle import read_bundle
     from spectr_edge.text import TextCodec
@@ -151,7 +296,7 @@ def encode_prompts(bundle: str, prompts: list[dict]) -> None:
         p["prompt_ids"] = codec.encode_prompt(p["prompt"])
 
 
-def measurement(answer: dict) -> dict:
+def measurement(answer: dict, tool: str = "spectr-edge") -> dict:
     r = answer["result"]
     n = r["new_tokens"]
     out = dict(r)
@@ -160,7 +305,9 @@ def measurement(answer: dict) -> dict:
     calls = r.get("target_calls")
     out["tokens_per_call"] = (n - 1) / (calls - 1) if calls and calls > 1 else None
     inside = (r.get("seconds_target") or 0) + (r.get("seconds_draft") or 0)
-    out["outside_ort"] = 1 - inside / r["seconds"] if r.get("seconds_target") is not None else None
+    # only spectr-edge times its ONNX Runtime calls; a peer's seconds_target is its own forward time
+    out["outside_ort"] = (1 - inside / r["seconds"] if tool == "spectr-edge" and r.get("seconds_target") is not None
+                          else None)
     return out
 
 
@@ -172,13 +319,16 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", default=None, help="first-N | stratified-N | ids-A,B (default per suite)")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--tree-bundle", default=None, help="tree suite: the same bundle with tree masks")
+    ap.add_argument("--tree-bundle", default=None,
+                    help="tree suite: the same bundle with tree masks; peers suite: the int4-target twin "
+                         "(default models/default-int4)")
     ap.add_argument("--all-configs", action="store_true", help="issue3: also the dominated k x L rows")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens: minutes, for development")
     ap.add_argument("--out", default=None, help="output folder (default bench/results/<date>-<name>)")
     args = ap.parse_args(argv)
     methods = suite(args.suite, args.all_configs, args.tree_bundle)
-    subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1"}.get(args.suite, "stratified-4")
+    subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1", "peers": "stratified-1"}.get(
+        args.suite, "stratified-4")
     if args.quick:
         subset, args.max_new_tokens = (args.prompts or "stratified-1"), 32
     prompts = harness.select_prompts(harness.load_questions(), subset)
@@ -192,47 +342,50 @@ def main(argv=None) -> None:
     log.write(f"\n== {datetime.datetime.now().isoformat(timespec='seconds')} {' '.join(sys.argv)}\n")
     log.flush()
 
-    workers: dict[str, Worker] = {}
+    groups: dict[str, list[dict]] = {}
     for m in methods:
-        if m["worker"] not in workers:
-            workers[m["worker"]] = Worker(m["worker"], worker_command(m["worker"], args), log)
-    rows, peaks = [], {m["name"]: 0 for m in methods}
+        groups.setdefault(m.get("group", "main"), []).append(m)
+    meta = {"command": " ".join([Path(sys.executable).name] + sys.argv), "suite": args.suite, "subset": subset,
+            "max_new_tokens": args.max_new_tokens, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": harness.machine_info(), "workers": {}, "methods": methods, "groups": list(groups),
+            "prompts": [{k: p[k] for k in ("id", "category", "task")} for p in prompts]}
+    rows: list[dict] = []
     from tqdm import tqdm
-    try:
-        for m in methods:   # warm-up: allocations, kernel selection, first-shape costs
-            answer, _ = workers[m["worker"]].request({"id": "warmup", "prompt": prompts[0]["prompt"],
-                                                      "prompt_ids": prompts[0]["prompt_ids"], "max_new_tokens": 8,
-                                                      "seed": 0, "config": m["config"]})
-            if "error" in answer:
-                print(f"warning: {m['name']} failed its warm-up: {answer['error']}", file=sys.stderr)
-        meta = {"command": " ".join([Path(sys.executable).name] + sys.argv), "suite": args.suite, "subset": subset,
-                "max_new_tokens": args.max_new_tokens,
-                "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": harness.machine_info(),
-                "workers": {k: w.info for k, w in workers.items()}, "methods": methods,
-                "prompts": [{k: p[k] for k in ("id", "category", "task")} for p in prompts]}
-        bar = tqdm(total=len(prompts) * len(methods), unit="gen", dynamic_ncols=True, file=sys.stderr)
-        for i, p in enumerate(prompts):
-            order = methods if i % 2 == 0 else methods[::-1]
-            for m in order:
-                bar.set_postfix_str(f"prompt {p['id']} {m['name']}"[:60])
-                req = {"id": f"{p['id']}:{m['name']}", "prompt": p["prompt"], "prompt_ids": p["prompt_ids"],
-                       "max_new_tokens": args.max_new_tokens, "seed": 1000 + i, "config": m["config"]}
-                answer, peak = workers[m["worker"]].request(req)
-                row = {"prompt_id": p["id"], "category": p["category"], "task": p["task"],
-                       "prompt_tokens": len(p["prompt_ids"]), "method": m["name"], "tool": m["tool"],
-                       "temperature": m["temperature"], "config": m["config"], "peak_rss": peak}
-                row.update(measurement(answer) if "result" in answer else {"error": answer["error"]})
-                rows.append(row)
-                peaks[m["name"]] = max(peaks[m["name"]], peak)
-                bar.update()
-            # checkpoint after every prompt: an interrupted run keeps its complete prompts
-            done = {"meta": {**meta, "prompts": meta["prompts"][:i + 1], "complete": i + 1 == len(prompts)},
-                    "rows": rows}
-            (out / "raw.json").write_text(json.dumps(done, indent=1))
-        bar.close()
-    finally:
-        for w in workers.values():
-            w.close()
+    bar = tqdm(total=len(prompts) * len(methods), unit="gen", dynamic_ncols=True, file=sys.stderr)
+    for gi, (group, members) in enumerate(groups.items()):
+        workers, unavailable = start_workers(members, args, log)
+        meta["workers"].update({k: w.info for k, w in workers.items()})
+        try:
+            warm_up(members, workers, unavailable, prompts[0])
+            for i, p in enumerate(prompts):
+                order = members if i % 2 == 0 else members[::-1]
+                for m in order:
+                    bar.set_postfix_str(f"{group}: prompt {p['id']} {m['name']}"[:70])
+                    row = {"prompt_id": p["id"], "category": p["category"], "task": p["task"], "group": group,
+                           "prompt_tokens": len(p["prompt_ids"]), "method": m["name"], "tool": m["tool"],
+                           "temperature": m["temperature"], "config": m["config"], "peak_rss": 0}
+                    if m["worker"] in unavailable:
+                        row["error"] = unavailable[m["worker"]]
+                    elif i >= m.get("max_prompts", len(prompts)):   # too slow to run on every prompt
+                        row["error"] = f"not run after {m['max_prompts']} prompts: {m['limit_reason']}"
+                    else:
+                        req = {"id": f"{p['id']}:{m['name']}", "prompt": p["prompt"], "prompt_ids": p["prompt_ids"],
+                               "max_new_tokens": args.max_new_tokens, "seed": 1000 + i, "config": m["config"]}
+                        try:
+                            answer, row["peak_rss"] = workers[m["worker"]].request(req)
+                        except SystemExit as err:   # the worker died (e.g. out of memory): its rows say so
+                            unavailable[m["worker"]] = f"worker crashed at prompt {p['id']}: {err}"
+                            answer = {"error": unavailable[m["worker"]]}
+                        row.update(measurement(answer, m["tool"]) if "result" in answer else {"error": answer["error"]})
+                    rows.append(row)
+                    bar.update()
+                # checkpoint after every prompt: an interrupted run keeps its complete prompts and groups
+                last = gi + 1 == len(groups) and i + 1 == len(prompts)
+                (out / "raw.json").write_text(json.dumps({"meta": {**meta, "complete": last}, "rows": rows}, indent=1))
+        finally:
+            for w in workers.values():
+                w.close()
+    bar.close()
     import report
     report.write(out)
     print((out / "table.md").read_text())

@@ -57,21 +57,26 @@ def main():
               help="Adaptive draft length: stop drafting when the draft's confidence in its token is below this "
                    "(0 = off; lossless).")
 @click.option("--no-draft", is_flag=True, help="Target-only decoding (same as -k 0).")
+@click.option("--draft", "drafter", type=click.Choice(["model", "lookup", "model+lookup"]), default=None,
+              help="Drafter: the bundle's draft model [default], prompt lookup (copies from the prompt and the "
+                   "output; no draft model needed), or lookup with the model when lookup finds nothing.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print timing and speculation stats to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) instead of streaming.")
 def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, chat, stop, provider,
-             draft_provider, threads, num_candidates, draft_len, draft_stop, no_draft, show_stats, as_json):
+             draft_provider, threads, num_candidates, draft_len, draft_stop, no_draft, drafter, show_stats, as_json):
     """Generate a completion of PROMPT ('-' reads it from stdin)."""
     from .generator import GenerationResult, load
 
     if prompt == "-":
         prompt = sys.stdin.read()
     if no_draft:
+        if drafter:
+            raise click.UsageError(f"--no-draft and --draft {drafter} contradict each other; pick one")
         num_candidates = 0
     if num_candidates is not None and num_candidates < 0:
         raise click.BadParameter("must be >= 0", param_hint="--num-candidates")
     gen = load(bundle, provider=provider, draft_provider=draft_provider, threads=threads,
-               load_draft=num_candidates != 0)
+               load_draft=num_candidates != 0 and drafter != "lookup")
     if num_candidates and num_candidates > 1 and temperature == 0:
         if gen.target.takes_tree:
             click.echo(f"note: at temperature 0 with a tree target, k={num_candidates} drafts one greedy chain "
@@ -82,7 +87,7 @@ def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, ch
                        "identical; drafting one (a bundle with tree masks uses k as branches per depth)", err=True)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, chat=chat, stop=stop, num_candidates=num_candidates, draft_len=draft_len,
-                   draft_stop=draft_stop)
+                   draft_stop=draft_stop, drafter=drafter)
     result = GenerationResult("", [])
     if as_json:
         result = gen.generate(prompt, **options)

@@ -17,6 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from . import selection
+from .lookup import CostCurve, PromptLookup
 from .onnx_model import OnnxLM
 from .sampling import SamplingParams, greedy_token, logits_to_probs, sample
 from .stats import GenerationStats
@@ -31,13 +32,17 @@ class DecodeRequest:
     draft_len: int
     eos_ids: frozenset[int]
     draft_stop: float = 0.0      # stop drafting early when the draft's confidence falls below this (0 = off)
+    drafter: str = "model"       # model | lookup | model+lookup (lookup first, the model when it finds nothing)
+    lookup_len: int = 8          # the most tokens a prompt-lookup step verifies
+    lookup_ngram: tuple[int, int] = (1, 3)   # (min, max) n-gram size matched by prompt lookup
 
 
 class Engine:
     """Target-only and speculative decoding over one target and an optional draft."""
 
-    def __init__(self, target: OnnxLM, draft: OnnxLM | None, vocab_size: int):
+    def __init__(self, target: OnnxLM, draft: OnnxLM | None, vocab_size: int, cost: CostCurve | None = None):
         self.target, self.draft, self.vocab_size = target, draft, vocab_size
+        self.cost = cost or CostCurve.for_quant(target.spec.quant)   # the target's verification cost curve
         self.context_length = target.spec.context_length
         if draft is not None:
             self.context_length = min(self.context_length, draft.spec.context_length)
@@ -90,20 +95,34 @@ class Engine:
 
     # -- speculative decoding ---------------------------------------------------------------
     def _speculative(self, req, rng, stats) -> Iterator[list[int]]:
+        use_model = req.drafter != "lookup"
         # a greedy draft is deterministic: k candidates would all be the same row. With a tree
         # target, k > 1 at temperature 0 means k branches per depth: the chain + k - 1 leaves.
-        greedy_tree = req.sampling.greedy and req.num_candidates > 1 and self.target.takes_tree
+        greedy_tree = use_model and req.sampling.greedy and req.num_candidates > 1 and self.target.takes_tree
         num_candidates = 1 if req.sampling.greedy and not greedy_tree else req.num_candidates
-        stats.num_candidates, stats.draft_len = num_candidates, req.draft_len
-        stats.reached, stats.accepted_at = [0] * req.draft_len, [0] * req.draft_len
+        lookup = None
+        if req.drafter != "model":
+            lookup = PromptLookup(self.cost, req.lookup_len, max_ngram=req.lookup_ngram[1],
+                                  min_ngram=req.lookup_ngram[0])
+        stats.num_candidates, stats.draft_len = num_candidates, req.draft_len if use_model else req.lookup_len
+        stats.reached, stats.accepted_at = [0] * stats.draft_len, [0] * stats.draft_len
         ids, t_cache = self._prefill(req, rng, stats)
         yield [ids[-1]]
-        d_cache, draft_seen = self.draft.new_cache(), 0
+        d_cache, draft_seen = (self.draft.new_cache() if use_model else None), 0
         emitted = 1
         while len(ids) < self.context_length:
             # a step emits up to L + 1 tokens; never draft past the budget or the context
-            draft_len = min(req.draft_len, req.max_new_tokens - emitted - 1, self.context_length - len(ids) - 1)
-            if draft_len < 1:
+            budget = min(req.max_new_tokens - emitted - 1, self.context_length - len(ids) - 1)
+            draft_len = min(req.draft_len, budget)
+            proposal = []
+            if lookup is not None and budget >= 1:
+                t0 = time.perf_counter()
+                proposal, ngram = lookup.propose(ids, budget)
+                stats.seconds_select += time.perf_counter() - t0
+            if proposal:
+                tokens = self._lookup_step(ids, t_cache, proposal, req, rng, stats)
+                lookup.update(ngram, len(proposal), len(tokens) - 1)
+            elif draft_len < 1 or not use_model:
                 tokens = self._plain_step(ids, t_cache, req, rng, stats)
             elif greedy_tree:
                 tokens, draft_seen = self._greedy_tree_step(ids, t_cache, d_cache, draft_seen, num_candidates,
@@ -114,6 +133,38 @@ class Engine:
             ids.extend(tokens)
             emitted += len(tokens)
             yield tokens
+
+    def _lookup_step(self, ids, t_cache, draft, req, rng, stats) -> list[int]:
+        """Verify a deterministic (prompt-lookup) draft in one batch-1 call: exact greedy at
+        temperature 0, else the one-hot rule per position (accept x w.p. q(x), otherwise draw
+        from q without x), and a bonus token from q when every position was accepted."""
+        x = np.asarray([[ids[-1]] + list(draft)], dtype=np.int64)              # [1, L+1]
+        logits = self.target.forward(x, t_cache)[0]                             # [L+1, W]
+        stats.target_calls += 1
+        stats.steps += 1
+        stats.lookup_steps += 1
+        stats.scored += x.shape[1]
+        t0 = time.perf_counter()
+        out: list[int] = []
+        for j, tok in enumerate(draft):
+            if req.sampling.greedy:
+                token = int(greedy_token(logits[j], self.vocab_size))
+                ok = token == tok
+            else:
+                token, ok = selection.deterministic_select(
+                    tok, logits_to_probs(logits[j], req.sampling, self.vocab_size), rng)
+            out.append(int(token))
+            if not ok:
+                break
+        else:
+            out.append(self._choose(logits[len(draft)], req.sampling, rng))
+        stats.seconds_select += time.perf_counter() - t0
+        accepted = len(out) - 1
+        stats.lookup_drafted += len(draft)
+        stats.lookup_accepted += accepted
+        _record_step(stats, len(draft), accepted)
+        t_cache.crop(len(ids) + accepted)                                        # ids[:-1] + ids[-1] + accepted
+        return out
 
     def _plain_step(self, ids, t_cache, req, rng, stats) -> list[int]:
         logits = self.target.forward(np.asarray([[ids[-1]]], dtype=np.int64), t_cache)
@@ -308,6 +359,9 @@ class _RowLogits:
 
 def _record_step(stats: GenerationStats, draft_len: int, accepted: int) -> None:
     """Count one verified step: draft_len positions offered, the first `accepted` of them kept."""
+    if len(stats.reached) < draft_len:            # a prompt-lookup step may be longer than the model's L
+        stats.reached += [0] * (draft_len - len(stats.reached))
+        stats.accepted_at += [0] * (draft_len - len(stats.accepted_at))
     stats.drafted += draft_len
     stats.accepted += accepted
     for j in range(min(accepted + 1, draft_len)):

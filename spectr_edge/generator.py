@@ -13,6 +13,7 @@ import numpy as np
 from .bundle import Bundle, read_bundle
 from .engine import DecodeRequest, Engine
 from .errors import InputError
+from .lookup import CostCurve
 from .onnx_model import OnnxLM
 from .sampling import SamplingParams
 from .stats import GenerationStats
@@ -26,6 +27,8 @@ from .text import TextCodec, TextStream
 DEFAULT_GREEDY = (1, 6, 0.5)
 DEFAULT_SAMPLING = (1, 3, 0.0)
 DEFAULT_MAX_NEW_TOKENS = 256
+DRAFTERS = ("model", "lookup", "model+lookup")
+DEFAULT_LOOKUP_LEN = 8        # llama.cpp / HF copy 10 tokens; the cost rule in lookup.py shortens it per step
 
 
 @dataclass
@@ -51,7 +54,9 @@ class Generator:
         self.draft = None
         if load_draft and bundle.draft is not None:
             self.draft = OnnxLM(bundle.draft, draft_provider or provider, threads, spinning=False)
-        self.engine = Engine(self.target, self.draft, bundle.tokenizer.vocab_size)
+        target_entry = bundle.manifest["models"]["target"]
+        cost = CostCurve.for_quant(bundle.target.quant, target_entry.get("cost_curve"))
+        self.engine = Engine(self.target, self.draft, bundle.tokenizer.vocab_size, cost)
 
     # -- the three entry points ---------------------------------------------------------------
     def generate(self, prompt: str, **options) -> GenerationResult:
@@ -71,13 +76,14 @@ class Generator:
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                      seed: int | None = None, rng: np.random.Generator | None = None,
                      num_candidates: int | None = None, draft_len: int | None = None,
-                     draft_stop: float | None = None) -> GenerationResult:
+                     draft_stop: float | None = None, drafter: str | None = None) -> GenerationResult:
         """Generate from raw token ids (no chat template, no stop strings); text is decoded for convenience."""
         result = GenerationResult("", [])
         prompt_ids = [int(i) for i in prompt_ids]
         for tokens in self._run(prompt_ids, result.stats, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rng=rng,
-                                num_candidates=num_candidates, draft_len=draft_len, draft_stop=draft_stop):
+                                num_candidates=num_candidates, draft_len=draft_len, draft_stop=draft_stop,
+                                drafter=drafter):
             result.token_ids.extend(tokens)
         result.text = self.codec.decode(result.token_ids)
         return result
@@ -107,7 +113,7 @@ class Generator:
             yield piece
 
     def _request(self, prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                 num_candidates, draft_len, draft_stop) -> DecodeRequest:
+                 num_candidates, draft_len, draft_stop, drafter=None) -> DecodeRequest:
         _check(len(prompt_ids) > 0, "the prompt is empty; pass at least one token")
         _check(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
                f"max_new_tokens must be an integer >= 1 (got {max_new_tokens})")
@@ -116,13 +122,19 @@ class Generator:
         _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an integer >= 0 (got {top_k}); 0 turns it off")
         _check(0 < top_p <= 1, f"top_p must be in (0, 1] (got {top_p}); 1 turns it off")
         default_k, default_len, default_stop = DEFAULT_GREEDY if temperature == 0 else DEFAULT_SAMPLING
+        _check(drafter is None or drafter in DRAFTERS,
+               f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+        if drafter == "lookup":         # prompt lookup alone: no draft model, one candidate, its own length
+            _check(num_candidates in (None, 1), f"prompt lookup drafts one candidate (got num_candidates="
+                   f"{num_candidates}); leave -k unset or use --draft model")
+            num_candidates, default_len = 1, DEFAULT_LOOKUP_LEN
         if num_candidates is None:
             num_candidates = default_k if self.draft is not None else 0
         _check(isinstance(num_candidates, int) and num_candidates >= 0,
                f"num_candidates must be an integer >= 0 (got {num_candidates}); 0 decodes with the target only")
-        _check(num_candidates == 0 or self.draft is not None,
+        _check(num_candidates == 0 or drafter == "lookup" or self.draft is not None,
                "this bundle has no draft model (or it was not loaded); use num_candidates=0 / --no-draft, "
-               "or export a bundle with --draft")
+               "--draft lookup (prompt lookup needs no draft model), or export a bundle with --draft")
         draft_len = default_len if draft_len is None else draft_len
         _check(isinstance(draft_len, int) and draft_len >= 1, f"draft_len must be an integer >= 1 (got {draft_len})")
         draft_stop = default_stop if draft_stop is None else draft_stop
@@ -136,13 +148,16 @@ class Generator:
         return DecodeRequest(tuple(prompt_ids), max_new_tokens,
                              SamplingParams(float(temperature), int(top_k), float(top_p)),
                              num_candidates, draft_len, frozenset(self.bundle.tokenizer.eos_token_ids),
-                             float(draft_stop))
+                             float(draft_stop), drafter or "model",
+                             draft_len if drafter == "lookup" else max(draft_len, DEFAULT_LOOKUP_LEN),
+                             # with the model to fall back on, a one-token match is too weak a signal
+                             (1, 3) if drafter == "lookup" else (2, 3))
 
     def _run(self, prompt_ids, stats: GenerationStats, *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
              temperature=0.0, top_k=0, top_p=1.0, seed=None, rng=None, num_candidates=None,
-             draft_len=None, draft_stop=None) -> Iterator[list[int]]:
+             draft_len=None, draft_stop=None, drafter=None) -> Iterator[list[int]]:
         req = self._request(prompt_ids, max_new_tokens, temperature, top_k, top_p, num_candidates, draft_len,
-                            draft_stop)
+                            draft_stop, drafter)
         rng = rng if rng is not None else np.random.default_rng(seed)
         stats.prompt_tokens = len(prompt_ids)
         models = [m for m in (self.target, self.draft) if m is not None]

@@ -16,6 +16,9 @@ class GenerationStats:
     steps: int = 0                   # speculative steps (one target call each)
     drafted: int = 0                 # draft positions offered for verification (L per step)
     accepted: int = 0                # draft tokens accepted
+    lookup_steps: int = 0            # steps that verified a prompt-lookup draft (counted in steps too)
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
     scored: int = 0                  # tokens the target scored in speculative steps (rows x (L+1), or trie nodes)
     reached: list[int] = field(default_factory=list)       # steps that verified draft position j
     accepted_at: list[int] = field(default_factory=list)   # steps that accepted draft position j
@@ -73,6 +76,9 @@ class GenerationStats:
                          f"{self.tokens_per_target_call:.2f} tokens per target call, accepted "
                          f"{self.accepted}/{self.drafted} drafted ({100 * self.acceptance_rate:.0f}%), "
                          f"acceptance by position [{per_pos}]")
+            if self.lookup_steps:
+                lines.append(f"prompt lookup: {self.lookup_steps} of the steps, accepted {self.lookup_accepted}/"
+                             f"{self.lookup_drafted} copied tokens")
         else:
             lines.append("target only (no draft)")
         lines.append(f"calls: target {self.target_calls}, draft {self.draft_calls}; time: target "

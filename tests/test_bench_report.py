@@ -70,3 +70,45 @@ def test_stratified_subset_takes_each_task_and_spreads_mt_bench():
     assert [q["id"] for q in harness.select_prompts(questions, "first-3")] == [81, 82, 83]
     with pytest.raises(SystemExit, match="unknown prompt subset"):
         harness.select_prompts(questions, "random-3")
+
+
+def _grouped_raw():
+    """Three groups run one after the other; the anchor ('base') runs in each, and the machine is
+    slower in groups b and c (base 300 and 250 ms instead of 200), which group pairing must cancel."""
+    anchor = {"name": "base", "tool": "spectr-edge", "temperature": 0.0, "config": {"k": 0}, "baseline": True}
+    methods = [{**anchor, "group": "a"},
+               {"name": "spec", "tool": "spectr-edge", "temperature": 0.0, "config": {}, "baseline": False, "group": "a"},
+               {**anchor, "group": "b"},
+               {"name": "peer plain", "tool": "peer", "temperature": 0.0, "config": {}, "baseline": False,
+                "group": "b", "own_baseline": None},
+               {"name": "peer spec", "tool": "peer", "temperature": 0.0, "config": {}, "baseline": False,
+                "group": "b", "own_baseline": "peer plain"},
+               {**anchor, "group": "c"},
+               {"name": "peer spec 2", "tool": "peer", "temperature": 0.0, "config": {}, "baseline": False,
+                "group": "c", "own_baseline": "peer plain"}]
+    ms = {("a", "base"): 200.0, ("a", "spec"): 100.0,
+          ("b", "base"): 300.0, ("b", "peer plain"): 150.0, ("b", "peer spec"): 200.0,
+          ("c", "base"): 250.0, ("c", "peer spec 2"): 50.0}
+    rows = [{"method": m, "group": g, "prompt_id": 1, "ms_per_token": v, "ttft_s": 0.1, "tokens_per_s": 1000 / v,
+             "peak_rss": 0} for (g, m), v in ms.items()]
+    meta = {"methods": methods, "prompts": [{"id": 1, "category": "rag", "task": "rag"}], "command": "x",
+            "subset": "ids-1", "max_new_tokens": 8, "date": "today", "machine": {"git_commit": None},
+            "groups": ["a", "b"]}
+    return {"meta": meta, "rows": rows}
+
+
+def test_grouped_runs_pair_each_row_with_its_own_groups_anchor():
+    raw = _grouped_raw()
+    table = {t["method"]: t for t in report.summary(raw)}
+    assert list(table) == ["base", "spec", "peer plain", "peer spec", "peer spec 2"]   # the anchor listed once
+    assert table["base"]["prompts"] == 3 and table["base"]["speedup"] == pytest.approx(1.0)
+    assert table["spec"]["speedup"] == pytest.approx(2.0)        # 200 / 100, group a
+    assert table["peer plain"]["speedup"] == pytest.approx(2.0)  # 300 / 150, group b (not 200 / 150)
+    assert table["peer spec"]["speedup"] == pytest.approx(1.5)
+    assert table["peer spec"]["vs_own"] == pytest.approx(0.75)   # 150 / 200: slower than its own target-only
+    assert table["spec"]["vs_own"] is None
+    # own baseline in another group: (250 / 50) / (300 / 150) = 5.0 / 2.0, through both groups' anchors
+    assert table["peer spec 2"]["speedup"] == pytest.approx(5.0)
+    assert table["peer spec 2"]["vs_own"] == pytest.approx(2.5)
+    text = report.markdown(raw)
+    assert "vs its own target-only |" in text and "| 0.75x |" in text and "Run in groups" in text

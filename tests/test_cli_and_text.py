@@ -55,11 +55,29 @@ def test_generate_json_and_no_draft(toy_dir):
     (["-k", "-1"], "num-candidates"),
     (["--provider", "npu"], "npu"),
     (["--chat"], "no chat template"),
+    (["--draft", "lookup", "-k", "2"], "prompt lookup drafts one candidate"),
+    (["--draft", "lookup", "--no-draft"], "contradict each other"),
+    (["--draft", "copy"], "copy"),
 ])
 def test_bad_options_give_one_line_errors(toy_dir, args, message):
     res = run_cli("generate", "a b", "--bundle", str(toy_dir), "-n", "3", *args)
     assert res.returncode == 2
     assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_prompt_lookup_from_the_command_line(toy_dir):
+    """--draft lookup needs no draft model and gives target greedy; its stats line says what it did."""
+    plain = json.loads(run_cli("generate", "a b a b a b", "--bundle", str(toy_dir), "--provider", "cpu", "-n", "12",
+                               "--json", "--no-draft").stdout)
+    res = run_cli("generate", "a b a b a b", "--bundle", str(toy_dir), "--provider", "cpu", "-n", "12", "--json",
+                  "--draft", "lookup")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["token_ids"] == plain["token_ids"]
+    assert out["stats"]["draft_calls"] == 0 and out["stats"]["lookup_steps"] > 0
+    res = run_cli("generate", "a b a b a b", "--bundle", str(toy_dir), "--provider", "cpu", "-n", "12", "--stats",
+                  "--draft", "model+lookup")
+    assert res.returncode == 0 and "prompt lookup:" in res.stderr, res.stderr
 
 
 def test_missing_bundle_and_empty_prompt(toy_dir, tmp_path):

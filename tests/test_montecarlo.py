@@ -64,10 +64,12 @@ class Config:
     draws: int = CI_DRAWS
     seed: int = 0
     draft_stop: float = 0.0       # adaptive draft length (stop on low draft confidence)
+    drafter: str | None = None    # None = the draft model; "lookup" | "model+lookup" = prompt lookup
 
     def __str__(self) -> str:
         filters = f"-topk{self.top_k}-topp{self.top_p}" if self.top_k or self.top_p < 1 else ""
         stop = f"-stop{self.draft_stop}" if self.draft_stop else ""
+        stop += f"-{self.drafter}" if self.drafter else ""
         return (f"k{self.num_candidates}-L{self.draft_len}-T{self.temperature}{filters}{stop}"
                 f"-prompt{len(self.prompt)}-n{self.draws}")
 
@@ -146,6 +148,7 @@ class Draws:
     seconds: float
     scored: int = 0               # tokens the target scored in speculative steps
     steps: int = 0
+    lookup_steps: int = 0         # steps that verified a prompt-lookup draft
 
 
 def draw(gen, cfg: Config) -> Draws:
@@ -157,7 +160,7 @@ def draw(gen, cfg: Config) -> Draws:
     for _ in range(cfg.draws):
         res = gen.generate_ids(list(cfg.prompt), max_new_tokens=MAX_NEW_TOKENS, temperature=cfg.temperature,
                                top_k=cfg.top_k, top_p=cfg.top_p, num_candidates=cfg.num_candidates,
-                               draft_len=cfg.draft_len, draft_stop=cfg.draft_stop, rng=rng)
+                               draft_len=cfg.draft_len, draft_stop=cfg.draft_stop, drafter=cfg.drafter, rng=rng)
         ids = tuple(res.token_ids)
         assert len(ids) == MAX_NEW_TOKENS, ids               # eos_token_ids is empty
         assert all(0 <= t < VOCAB_SIZE for t in ids), f"padding or out-of-range id emitted: {ids}"
@@ -165,9 +168,10 @@ def draw(gen, cfg: Config) -> Draws:
             counts[name][ids[window]] += 1
         s = res.stats
         totals.update(accepted=s.accepted, drafted=s.drafted, target_calls=s.target_calls,
-                      draft_calls=s.draft_calls, scored=s.scored, steps=s.steps)
+                      draft_calls=s.draft_calls, scored=s.scored, steps=s.steps, lookup_steps=s.lookup_steps)
     return Draws(counts, cfg.draws, totals["accepted"], totals["drafted"], totals["target_calls"],
-                 totals["draft_calls"], time.perf_counter() - started, totals["scored"], totals["steps"])
+                 totals["draft_calls"], time.perf_counter() - started, totals["scored"], totals["steps"],
+                 totals["lookup_steps"])
 
 
 def check_law(draws: Draws, laws: dict[str, dict]) -> list[str]:
@@ -373,3 +377,51 @@ def test_tree_greedy_equals_target_only(tree_gen):
             leaves += res.stats.scored - res.stats.drafted - res.stats.steps   # nodes beyond root + chain
     assert accepted > 0 and leaves > 0, (accepted, leaves)
 
+
+
+# --------------------------------------------------------------------------- prompt lookup
+# Deterministic drafts copied from the prompt and the output (spectr_edge/lookup.py), verified by the
+# one-hot rule; alone, and before the draft model. The 5-token vocabulary makes matches frequent.
+
+LOOKUP_CONFIGS = [
+    Config(1, 4, 1.0, prompt=LONG_PROMPT, seed=30, drafter="lookup"),
+    Config(1, 2, 0.7, top_k=3, top_p=0.9, prompt=LONG_PROMPT, seed=31, drafter="model+lookup"),
+]
+
+
+@pytest.mark.parametrize("cfg", LOOKUP_CONFIGS, ids=str)
+def test_prompt_lookup_output_law_equals_target(bundle, gen, cfg):
+    draws = draw(gen, cfg)
+    assert draws.lookup_steps > draws.n // 4, draws.lookup_steps     # lookup really drafted, in many draws
+    if cfg.drafter == "lookup":
+        assert draws.draft_calls == 0
+    else:
+        assert draws.draft_calls > 0                                   # and the model drafted when it found nothing
+    assert_engine_follows_target(bundle, gen, cfg, draws)
+
+
+def test_negative_control_lookup_accepting_every_copy(bundle, gen, monkeypatch):
+    """Accepting a copied token outright (instead of w.p. q(x)) is detected by the same test."""
+    from spectr_edge import selection
+
+    monkeypatch.setattr(selection, "deterministic_select", lambda candidate, target_probs, rng: (int(candidate), True))
+    cfg = Config(1, 4, 1.0, prompt=LONG_PROMPT, draws=NEGATIVE_DRAWS, seed=32, drafter="lookup")
+    draws = draw(gen, cfg)
+    assert draws.lookup_steps > 0
+    assert_law_rejected(bundle, cfg, draws)
+
+
+def test_prompt_lookup_greedy_equals_target_only(gen, tree_gen):
+    """temperature 0: lookup alone and lookup + model give target greedy token for token."""
+    rng = np.random.default_rng(33)
+    lookup_steps = accepted = 0
+    for trial in range(16):
+        prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(3, 12)))]
+        for g in (gen, tree_gen):
+            plain = g.generate_ids(prompt, max_new_tokens=20, temperature=0.0, num_candidates=0).token_ids
+            for drafter, draft_len in (("lookup", 8), ("lookup", 2), ("model+lookup", 3)):
+                res = g.generate_ids(prompt, max_new_tokens=20, temperature=0.0, drafter=drafter, draft_len=draft_len)
+                assert res.token_ids == plain, (prompt, drafter, draft_len)
+                lookup_steps += res.stats.lookup_steps
+                accepted += res.stats.lookup_accepted
+    assert lookup_steps > 0 and accepted > 0, (lookup_steps, accepted)

@@ -62,8 +62,9 @@ print("ortgenai-setup: versions:", {p: md.version(p) for p in
       "genai commit", og.__commit__)
 assert hasattr(og.GeneratorParams, "set_speculative_options") and hasattr(og.Generator, "get_speculative_stats")
 EOF
-# fail now, not after a conversion, if the builder cannot import (transformers / onnx_ir mismatch)
-"$VENV/bin/python" -m onnxruntime_genai.models.builder --help >/dev/null
+# fail now, not after a conversion, if the builder cannot import (transformers / onnx_ir mismatch).
+# (Not `builder --help`: 0.18's help text has a stray '%' that argparse cannot format.)
+"$VENV/bin/python" -c "import onnxruntime_genai.models.builder"
 
 # -- 2. GGUF -> float32 HF folders (cost: ~2-4 min for 1.5B, ~1 min for 0.5B; 7 + 2.5 GB on disk) --
 [ -x "$MAIN_PY" ] || { log "error: $MAIN_PY missing; run scripts/setup.sh first"; exit 1; }

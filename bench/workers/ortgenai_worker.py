@@ -140,12 +140,20 @@ def main() -> None:
 
         tokens = [int(t) for t in gen.get_sequence(0)[n_prompt:]][:max_new]
         stop_reason = "max_new_tokens" if len(tokens) >= max_new else "context"
+        hidden_eos = False
         for i, tok in enumerate(tokens):
             if tok in eos_ids:   # eos counts as generated, as in spectr-edge; nothing after it is shown
                 tokens, stop_reason = tokens[:i + 1], "eos"
                 break
-        out = {"new_tokens": len(tokens), "seconds": seconds, "ttft_s": ttft if ttft is not None else seconds,
-               "token_ids": tokens, "stop_reason": stop_reason}
+        else:
+            # 0.18 ends on eos without putting it in the sequence (seen with Qwen2.5: 17 tokens where
+            # llama.cpp and spectr-edge give the same 17 plus <|im_end|>). The eos step was run and
+            # timed, so it is counted, as the other tools count theirs.
+            if stop_reason == "context" and len(tokens) + n_prompt < n_prompt + max_new:
+                stop_reason, hidden_eos = "eos", True
+        out = {"new_tokens": len(tokens) + hidden_eos, "seconds": seconds,
+               "ttft_s": ttft if ttft is not None else seconds, "token_ids": tokens, "stop_reason": stop_reason,
+               "eos_not_in_sequence": hidden_eos}
         if mode:
             # plain JSON (the histogram may come back as an array); the whole snapshot goes in the row
             s = json.loads(json.dumps(dict(gen.get_speculative_stats()),

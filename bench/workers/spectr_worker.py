@@ -7,7 +7,8 @@ stderr). The worker first sends {"ready": true, "info": {...versions...}}. A req
 {"id", "prompt", "prompt_ids", "max_new_tokens", "seed", "config"}; the answer is
 {"id", "result": {...measurements...}} or {"id", "error": "one line"}. An empty line or EOF ends it.
 
-config keys for spectr-edge: temperature, k (0 = target-only), L, stop (draft_stop), top_k, top_p.
+config keys for spectr-edge: temperature, k (0 = target-only), L, stop (draft_stop), top_k, top_p,
+drafter (model | lookup | model+lookup).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main() -> None:
             kwargs["draft_len"] = c["L"]
         if "stop" in c:
             kwargs["draft_stop"] = c["stop"]
+        if c.get("drafter"):
+            kwargs["drafter"] = c["drafter"]
         res = gen.generate_ids(req["prompt_ids"], **kwargs)
         s = res.stats
         return {"new_tokens": s.new_tokens, "seconds": s.seconds_total, "ttft_s": s.seconds_first_token,
@@ -75,7 +78,8 @@ def main() -> None:
                 "drafted": s.drafted, "acceptance_per_position": s.acceptance_per_position,
                 "seconds_target": s.seconds_target, "seconds_draft": s.seconds_draft,
                 "seconds_select": s.seconds_select, "reached": s.reached, "accepted_at": s.accepted_at,
-                "token_ids": res.token_ids, "stop_reason": s.stop_reason}
+                "token_ids": res.token_ids, "stop_reason": s.stop_reason, "lookup_steps": s.lookup_steps,
+                "lookup_drafted": s.lookup_drafted, "lookup_accepted": s.lookup_accepted}
 
     serve(proto, info, handle)
 

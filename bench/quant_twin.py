@@ -1,0 +1,67 @@
+"""A twin of a bundle whose target is quantized, for side-by-side benchmarks (issue 6).
+
+    .venv/bin/python bench/quant_twin.py models/default models/default-int4 --target-quant int4
+
+Copies SRC's small files into DST, hard-links the draft's weights, and writes DST's target as
+the quant-bit version of SRC's target graph (export/quantize.py: the same quantizer as
+`spectr-edge export --target-quant`; tree-mask input kept). The manifest's target entry then
+says which precision it is, and spectr-edge's lossless promise for DST is with respect to that
+quantized target. Re-exporting from the GGUF with `spectr-edge export --target-quant int4`
+gives the same graph; this skips the ~3-minute float32 export. Peak memory of the int4
+quantizer on the 1.5B target: ~22 GB (../shared/MODELS.md): run nothing else meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from export import onnx_export, quantize  # noqa: E402
+
+LINK_ABOVE = 64 * 2**20
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    ap.add_argument("--target-quant", choices=["int8", "int4"], default="int4")
+    args = ap.parse_args(argv)
+    src, dst = Path(args.src).resolve(), Path(args.dst)
+    if dst.exists():
+        raise SystemExit(f"error: {dst} exists; remove it first")
+    manifest = json.loads((src / "spectr.json").read_text())
+    target = manifest["models"]["target"]
+    if target.get("quant", "none") != "none":
+        raise SystemExit(f"error: {src}'s target is already {target['quant']}")
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    skip = {f.resolve() for f in onnx_export.model_files(src / target["file"])} | {(src / "spectr.json").resolve()}
+    for f in sorted(src.rglob("*")):
+        if f.is_dir() or f.resolve() in skip:   # the float32 target graph and its data are replaced
+            continue
+        out = tmp / f.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        (os.link if f.stat().st_size > LINK_ABOVE else shutil.copy2)(f, out)
+    out_file = tmp / target["file"]
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    print(f"quantizing {src / target['file']} to {args.target_quant} ...", flush=True)
+    quantize.quantize(src / target["file"], out_file, args.target_quant)
+    target.update(quant=args.target_quant,
+                  size_bytes=sum(f.stat().st_size for f in onnx_export.model_files(out_file)))
+    target.pop("parity_max_abs_diff", None)   # measured for the float32 graph, not this one
+    manifest["name"] = f"{manifest.get('name', src.name)}-target-{args.target_quant}"
+    (tmp / "spectr.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, dst)
+    print(f"{dst}: target {args.target_quant} ({target['size_bytes'] / 2**20:.0f} MiB), draft and tokenizer "
+          f"from {src}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Prompt-lookup drafting (SPECTR.md section 6) and the length rule that keeps it from costing time.
+
+Drafting copies: find the longest n-gram (max_ngram down to min_ngram) that ends the committed
+text and occurred earlier in it (prompt included), and propose the tokens that followed that
+earlier occurrence. The draft is deterministic, so verification uses the one-hot rule
+(selection.deterministic_select; exact greedy at temperature 0) and the output law is the
+target's whatever is proposed.
+
+How many of the proposed tokens to verify is chosen per step by expected tokens per unit of
+target time: with a running acceptance estimate a (per n-gram size, this generation only) a
+step verifying L drafted tokens yields 1 + a + ... + a^L tokens on average and costs c(L + 1)
+single-token decodes, c being the target's verification cost curve. L = 0 (a plain decode step)
+wins whenever no L > 0 beats 1 / c(1) = 1, so a bad match costs nothing but the search. The
+curve comes from the bundle's manifest when one was measured there, else from defaults measured
+on a 2-core CPU (../shared/MODELS.md); only draft-side information and fixed numbers decide, so
+a seed gives the same output on every run and the law is unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+# relative cost of one target call scoring n tokens in one row (n = 1 is 1.0), by target precision:
+# Qwen2.5-Coder-1.5B on the 2-core CPU, ONNX Runtime 1.32 (../shared/MODELS.md)
+DEFAULT_COST_CURVES = {
+    "none": ((1, 1.0), (2, 1.19), (4, 1.27), (8, 1.58), (16, 2.29), (32, 3.96)),
+    "int8": ((1, 1.0), (2, 1.06), (4, 1.11), (8, 1.32), (16, 1.82), (32, 2.89)),
+    "int4": ((1, 1.0), (2, 1.23), (4, 1.81), (8, 3.02), (16, 5.37), (32, 10.3)),
+}
+PRIOR_ACCEPTED, PRIOR_REACHED = 1.0, 2.0   # acceptance estimate starts at 0.5, worth two observations
+
+
+class CostCurve:
+    """Piecewise-linear relative cost c(n) of scoring n tokens in one call; c(1) = 1."""
+
+    def __init__(self, points):
+        pts = sorted((int(n), float(c)) for n, c in points)
+        if not pts or pts[0][0] != 1:
+            raise ValueError("a cost curve starts at n = 1")
+        self.n = np.array([n for n, _ in pts], dtype=np.float64)
+        self.c = np.array([c for _, c in pts], dtype=np.float64) / pts[0][1]
+
+    @classmethod
+    def for_quant(cls, quant: str, measured=None) -> "CostCurve":
+        return cls(measured or DEFAULT_COST_CURVES.get(quant, DEFAULT_COST_CURVES["none"]))
+
+    def __call__(self, n: int) -> float:
+        if n <= self.n[-1]:
+            return float(np.interp(n, self.n, self.c))
+        slope = (self.c[-1] - self.c[-2]) / (self.n[-1] - self.n[-2])   # extrapolate the last piece
+        return float(self.c[-1] + slope * (n - self.n[-1]))
+
+
+class PromptLookup:
+    """The drafter and its per-generation acceptance statistics."""
+
+    def __init__(self, cost: CostCurve, max_len: int, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
+        self.cost, self.max_len = cost, max_len
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.accepted = {n: PRIOR_ACCEPTED for n in range(min_ngram, max_ngram + 1)}
+        self.reached = {n: PRIOR_REACHED for n in range(min_ngram, max_ngram + 1)}
+
+    def search(self, ids, limit: int) -> tuple[list[int], int]:
+        """(continuation of the best earlier match, its n-gram size); ([], 0) when nothing matches.
+
+        Longest n-gram first; among its matches the latest one that still has `limit` tokens after
+        it, else the earliest (the longest continuation)."""
+        arr = np.asarray(ids, dtype=np.int64)                       # [T]
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(arr) <= n:
+                continue
+            windows = sliding_window_view(arr[:-1], n)              # [T - n, n]: windows that have a next token
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+            if hits.size:
+                full = hits[hits + n + limit <= len(arr)]
+                start = int(full[-1] if full.size else hits[0]) + n
+                return [int(t) for t in arr[start:start + limit]], n
+        return [], 0
+
+    def acceptance(self, n: int) -> float:
+        return self.accepted[n] / self.reached[n]
+
+    def best_length(self, n: int, available: int) -> int:
+        """Draft length in [0, available] with the most expected tokens per unit of target time."""
+        a = self.acceptance(n)
+        best, best_rate, expected = 0, 1.0 / self.cost(1), 1.0
+        for length in range(1, available + 1):
+            expected += a ** length
+            rate = expected / self.cost(length + 1)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = length, rate
+        return best
+
+    def propose(self, ids, limit: int) -> tuple[list[int], int]:
+        """The draft to verify this step (possibly empty) and its n-gram size."""
+        draft, n = self.search(ids, min(limit, self.max_len))
+        if not draft:
+            return [], 0
+        return draft[:self.best_length(n, len(draft))], n
+
+    def update(self, n: int, draft_len: int, accepted: int) -> None:
+        """Positions verified: accepted + 1 (the first rejected one) unless all were accepted."""
+        self.reached[n] += min(accepted + 1, draft_len)
+        self.accepted[n] += accepted

@@ -1,0 +1,67 @@
+"""Prompt-lookup drafting (spectr_edge/lookup.py): what it copies, and how long a draft it verifies.
+
+Losslessness and greedy equality of the engine with lookup drafts are in test_montecarlo.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from spectr_edge.lookup import DEFAULT_COST_CURVES, CostCurve, PromptLookup
+
+FLAT = CostCurve([(1, 1.0), (32, 1.0)])           # verification free: any positive acceptance pays
+
+
+def test_search_copies_after_the_longest_matching_ngram():
+    lk = PromptLookup(FLAT, max_len=8, max_ngram=3)
+    ids = [5, 1, 2, 3, 9, 9, 7, 2, 3, 4, 4, 1, 2, 3]
+    # the suffix (1, 2, 3) occurred at 1..3, followed by 9 9 7 ...; (2, 3) alone would also match at 7..8
+    assert lk.search(ids, 3) == ([9, 9, 7], 3)
+    # only a bigram matches: (4, 8) no; (8,) no -> nothing
+    assert lk.search([1, 2, 3, 4, 8], 4) == ([], 0)
+    assert lk.search([1, 2, 3, 4, 3], 4) == ([4, 3], 1)       # unigram 3, continuation runs to the end
+
+
+def test_search_prefers_the_latest_match_with_a_full_continuation():
+    lk = PromptLookup(FLAT, max_len=8, max_ngram=2, min_ngram=2)
+    ids = [1, 2, 7, 7, 1, 2, 8, 8, 0, 1, 2]
+    assert lk.search(ids, 2) == ([8, 8], 2)                 # the later match (4..5), it has 2 tokens after it
+    assert lk.search(ids, 6) == ([7, 7, 1, 2, 8, 8], 2)     # only the earliest has 6: the longest continuation
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    c = CostCurve([(1, 2.0), (4, 3.0), (8, 6.0)])          # normalised: c(1) = 1
+    assert c(1) == 1.0 and c(4) == pytest.approx(1.5) and c(2) == pytest.approx(1 + 0.5 / 3)
+    assert c(12) == pytest.approx(3.0 + 1.5)                 # the last piece's slope, 0.375 per token
+    with pytest.raises(ValueError):
+        CostCurve([(2, 1.0)])
+
+
+@pytest.mark.parametrize("quant", sorted(DEFAULT_COST_CURVES))
+def test_length_rule_drafts_only_when_it_pays(quant):
+    cost = CostCurve.for_quant(quant)
+    lk = PromptLookup(cost, max_len=8)
+    for n in lk.accepted:                                   # a drafter that is never right: plain decoding
+        lk.accepted[n], lk.reached[n] = 0.0, 100.0
+    assert lk.best_length(2, 8) == 0
+    for n in lk.accepted:                                   # always right: as long as the curve allows
+        lk.accepted[n], lk.reached[n] = 100.0, 100.0
+    best = lk.best_length(2, 8)
+    rate = lambda L: (L + 1) / cost(L + 1)                  # noqa: E731  expected tokens per cost at a = 1
+    assert best >= 1 and all(rate(best) >= rate(L) - 1e-9 for L in range(9))
+
+
+def test_update_moves_the_estimate_and_propose_uses_it():
+    lk = PromptLookup(CostCurve.for_quant("int4"), max_len=8, max_ngram=2, min_ngram=1)
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    assert lk.acceptance(2) == 0.5                          # the prior
+    first, n = lk.propose(ids, 8)
+    assert n == 2 and 1 <= len(first) < 7                   # the steep int4 curve keeps it short at a = 0.5
+    for _ in range(20):
+        lk.update(2, 4, 4)                                  # every copied token accepted
+    assert lk.acceptance(2) > 0.95
+    longer, _ = lk.propose(ids, 8)
+    assert len(longer) > len(first) and longer == [3, 4, 5, 6, 7, 8, 9, 1][:len(longer)]
+    lk = PromptLookup(CostCurve.for_quant("int4"), max_len=8, max_ngram=2, min_ngram=1)
+    for _ in range(40):
+        lk.update(2, 4, 0)                                  # every copy rejected at its first token
+    assert lk.propose(ids, 8)[0] == []                     # the match is there, but drafting would not pay
