@@ -259,6 +259,36 @@ def plot_acceptance(raw: dict, path: Path, limit: int = 10) -> bool:
     return True
 
 
+TOOL_COLORS = {"spectr-edge": "tab:blue", "ortgenai": "tab:orange", "llama.cpp": "tab:green",
+               "transformers": "tab:red"}
+
+
+def plot_tools(raw: dict, path: Path) -> bool:
+    """Horizontal bars of median ms/token per method, one panel per temperature, coloured by tool
+    (runs with peers only); each bar is labelled with its speedup over spectr-edge target-only."""
+    table = [t for t in summary(raw) if t["prompts"] and t["ms_per_token"] == t["ms_per_token"]]
+    if len({t["tool"] for t in table}) < 2:
+        return False
+    plt = _plt()
+    temps = sorted({t["temperature"] for t in table})
+    rows = max(sum(t["temperature"] == temp for t in table) for temp in temps)
+    fig, axes = plt.subplots(1, len(temps), figsize=(7.5 * len(temps), 0.34 * rows + 1.6), squeeze=False)
+    for ax, temp in zip(axes[0], temps):
+        mine = sorted((t for t in table if t["temperature"] == temp), key=lambda t: -t["ms_per_token"])
+        ys = range(len(mine))
+        ax.barh(ys, [t["ms_per_token"] for t in mine], color=[TOOL_COLORS.get(t["tool"], "tab:gray") for t in mine])
+        for y, t in zip(ys, mine):
+            ax.text(t["ms_per_token"], y, f" {t['ms_per_token']:.0f} ms, {_x(t['speedup'])}", va="center", fontsize=7)
+        ax.set_yticks(list(ys), [re.sub(r" T=\S+", "", t["method"]) for t in mine], fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("ms per token after the first (median over prompts; log scale)")
+        ax.set_title(f"T={temp:g}: lower is faster; x = speedup over spectr-edge target-only")
+        ax.grid(axis="x", alpha=0.3, which="both")
+        ax.set_xlim(right=ax.get_xlim()[1] * 3)
+    save(fig, path)
+    return True
+
+
 def write(out: Path) -> None:
     raw = json.loads((out / "raw.json").read_text())
     (out / "table.md").write_text(markdown(raw))
@@ -266,6 +296,7 @@ def write(out: Path) -> None:
         plot_speedup_by_task(raw, out / "speedup_by_task.png")
         plot_kl_grid(raw, out / "tokens_per_s_kL.png")
         plot_acceptance(raw, out / "acceptance_by_position.png")
+        plot_tools(raw, out / "ms_per_token_by_tool.png")
     except ImportError:
         print("note: matplotlib is not installed; tables written, plots skipped (pip install matplotlib)",
               file=sys.stderr)

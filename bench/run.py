@@ -3,6 +3,7 @@
     .venv/bin/python bench/run.py --suite issue3 --name spec-grid          # the SpecTr grid (issue 3)
     .venv/bin/python bench/run.py --suite default --quick                 # a few minutes, for development
     .venv/bin/python bench/run.py --suite peers                           # spectr-edge vs ORT GenAI, HF, llama.cpp
+    .venv/bin/python bench/run.py --suite adaptive                        # length rules, float32 and int4 targets
 
 Every method runs in a worker process (bench/workers/), one worker per tool configuration
 that needs its own loaded models, so peers run in their own environments and each
@@ -80,10 +81,10 @@ def peer(tool: str, worker: str, label: str, temperature: float, config: dict | 
 
 def slow(method: dict) -> dict:
     """ORT GenAI 0.18's speculative decoding at T > 0 runs at ~2-3 s/token here (smoke run of
-    2026-11-30; greedy is normal): those rows run on the first 2 prompts only."""
+    2026-11-30; greedy is normal): those rows run on the first prompt only."""
     if not method["temperature"]:
         return method
-    return {**method, "max_prompts": 2,
+    return {**method, "max_prompts": 1,
             "limit_reason": "ORT GenAI 0.18 speculative sampling takes ~2-3 s/token at T=1 on this CPU"}
 
 
@@ -101,29 +102,35 @@ def peers_suite(int4_bundle: str | None = None) -> list[dict]:
     groups: dict[str, list[dict]] = {"main": [], "hf": [], "ortgenai-fp32": [], "ortgenai-fp32-draft": []}
     for t in (0.0, 1.0):
         anchor = spectr(t, 0)
+        # (greedy k > 1 side leaves, lookup at T=1 and model+lookup are left out to keep the run near an
+        # hour: the tree run of section 2 and the smoke run had them no faster than the rows kept)
         groups["main"] += [anchor, spectr(t, 1, 3)]
-        groups["main"] += [spectr_default(0.0), spectr(0.0, 2, 3)] if t == 0 else [spectr(t, 2, 2), spectr(t, 4, 2)]
-        groups["main"] += [lookup(t, "lookup"), lookup(t, "model+lookup")]
+        groups["main"] += [spectr_default(0.0), lookup(0.0, "lookup")] if t == 0 else [spectr(t, 2, 2), spectr(t, 4, 2)]
         # the same bundle with an int4 target (bench/quant_twin.py): lossless with respect to that target
         q = lambda m: {**on_bundle(m, int4_bundle or str(INT4_BUNDLE), "int4 target"),  # noqa: E731
                        "own_baseline": None if m["baseline"] else f"spectr-edge T={t:g} target-only [int4 target]"}
-        groups["main"] += [q(spectr(t, 0)), q(lookup(t, "lookup")), q(spectr(t, 1, 3))]
+        groups["main"] += [q(spectr(t, 0)), q(spectr(t, 1, 3))] + ([q(lookup(t, "lookup"))] if t == 0 else [])
         groups["main"] += [
             peer("ortgenai", og, "int4 target-only", t),
             slow(peer("ortgenai", og_d, "int4 + int4 draft, 4 tokens", t,
                       {"speculative": "draft", "max_draft_tokens": 4}, own="int4 target-only")),
-            peer("llama.cpp", "llamacpp", "Q4 target-only", t),
-            peer("llama.cpp", "llamacpp", "Q4 prompt lookup", t,
-                 {"speculative": "prompt_lookup", "num_pred_tokens": 10, "max_ngram_size": 2}, own="Q4 target-only"),
+            peer("llama.cpp", "llamacpp", "Q4 target-only", t)]
+        if t == 0:
+            groups["main"].append(
+                peer("llama.cpp", "llamacpp", "Q4 prompt lookup", t,
+                     {"speculative": "prompt_lookup", "num_pred_tokens": 10, "max_ngram_size": 2}, own="Q4 target-only"))
+        groups["main"] += [
             peer("llama.cpp", "llamacpp", "Q4 + Q4 draft, 3 tokens", t, {"speculative": "draft_model", "num_draft": 3},
                  own="Q4 target-only")]
-        groups["hf"] += [anchor, peer("transformers", "hf", "fp32 target-only", t),
+        # transformers runs at ~0.4-0.8 s/token: its T=1 rows and the 3-token variant run on 3 prompts
+        few = dict(max_prompts=3, limit_reason="transformers takes ~0.4-0.8 s/token; 3 prompts keep the run near an hour")
+        groups["hf"] += [anchor, peer("transformers", "hf", "fp32 target-only", t, **(few if t else {})),
                          peer("transformers", "hf", "fp32 assisted (library defaults)", t, {"assistant": True},
-                              own="fp32 target-only"),
-                         peer("transformers", "hf", "fp32 assisted, 3 tokens", t,
-                              {"assistant": True, "num_assistant_tokens": 3, "schedule": "constant"},
-                              own="fp32 target-only", max_prompts=3 if t else None,
-                              limit_reason="~0.6-0.8 s/token, the slowest rows; 3 prompts keep the run under 90 min")]
+                              own="fp32 target-only", **(few if t else {}))]
+        if t == 0:
+            groups["hf"].append(peer("transformers", "hf", "fp32 assisted, 3 tokens", t,
+                                     {"assistant": True, "num_assistant_tokens": 3, "schedule": "constant"},
+                                     own="fp32 target-only", **few))
         # two groups: spectr-edge's and ORT GenAI's float32 1.5B models (~6.5 GiB each) do not fit three at a time
         groups["ortgenai-fp32"] += [anchor, peer("ortgenai", ogf, "fp32 target-only", t)]
         groups["ortgenai-fp32-draft"] += [anchor, slow(peer("ortgenai", ogf_d, "fp32 + int4 draft, 4 tokens", t,
@@ -160,7 +167,16 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
                 spectr(1.0, 4, 3), tree(spectr(1.0, 4, 3))]
     if name == "peers":
         return peers_suite(other_bundle)
-    raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree or peers")
+    if name == "adaptive":  # issue 6: length rules on the float32 and int4 targets (tune both bundles first)
+        q = lambda m: {**on_bundle(m, other_bundle or str(INT4_BUNDLE), "int4 target"),  # noqa: E731
+                       "own_baseline": None if m["baseline"] else "spectr-edge T=0 target-only [int4 target]"}
+        def adaptive(L, stop=0.0):
+            return {**spectr(0.0, 1, L, label=f"adaptive L<={L}" + (f" stop {stop:g}" if stop else "")),
+                    "config": {"temperature": 0.0, "k": 1, "L": L, "stop": stop, "adaptive": True}}
+        return [spectr(0.0, 0), spectr_default(0.0), adaptive(6), adaptive(6, 0.5), lookup(0.0, "lookup"),
+                q(spectr(0.0, 0)), q(spectr(0.0, 1, 3)), q(adaptive(6)), q(adaptive(6, 0.5)),
+                q(lookup(0.0, "lookup"))]
+    raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers or adaptive")
 
 
 GGUF = Path(os.environ.get("SPECTR_GGUF_DIR", "~/.cache/spectr-edge/gguf")).expanduser()
@@ -327,7 +343,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="output folder (default bench/results/<date>-<name>)")
     args = ap.parse_args(argv)
     methods = suite(args.suite, args.all_configs, args.tree_bundle)
-    subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1", "peers": "stratified-1"}.get(
+    subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1", "peers": "stratified-1",
+                               "adaptive": "stratified-1"}.get(
         args.suite, "stratified-4")
     if args.quick:
         subset, args.max_new_tokens = (args.prompts or "stratified-1"), 32

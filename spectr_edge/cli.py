@@ -60,10 +60,13 @@ def main():
 @click.option("--draft", "drafter", type=click.Choice(["model", "lookup", "model+lookup"]), default=None,
               help="Drafter: the bundle's draft model [default], prompt lookup (copies from the prompt and the "
                    "output; no draft model needed), or lookup with the model when lookup finds nothing.")
+@click.option("--adaptive/--fixed-length", default=None,
+              help="k=1: choose each step's draft length (0 = a plain step) from this generation's acceptance and "
+                   "the target's cost curve (lossless; `spectr-edge tune` measures the curve).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print timing and speculation stats to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) instead of streaming.")
 def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, chat, stop, provider,
-             draft_provider, threads, num_candidates, draft_len, draft_stop, no_draft, drafter, show_stats, as_json):
+             draft_provider, threads, num_candidates, draft_len, draft_stop, no_draft, drafter, adaptive, show_stats, as_json):
     """Generate a completion of PROMPT ('-' reads it from stdin)."""
     from .generator import GenerationResult, load
 
@@ -87,7 +90,7 @@ def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, ch
                        "identical; drafting one (a bundle with tree masks uses k as branches per depth)", err=True)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, chat=chat, stop=stop, num_candidates=num_candidates, draft_len=draft_len,
-                   draft_stop=draft_stop, drafter=drafter)
+                   draft_stop=draft_stop, drafter=drafter, adaptive=adaptive)
     result = GenerationResult("", [])
     if as_json:
         result = gen.generate(prompt, **options)
@@ -129,7 +132,42 @@ def info(bundle):
     t = b.tokenizer
     click.echo(f"tokenizer: {t.vocab_size} tokens, eos ids {list(t.eos_token_ids)}, "
                f"chat template {'yes' if t.chat_template else 'no'}")
+    tuned = b.manifest.get("tuning")
+    if tuned:
+        curve = dict((int(n), c) for n, c in b.manifest["models"]["target"].get("cost_curve", []))
+        draft_cost = (b.manifest["models"].get("draft") or {}).get("decode_cost")
+        click.echo(f"tuned {tuned.get('date')} on {tuned.get('provider')}: scoring 4 / 8 tokens costs "
+                   f"{curve.get(4, float('nan')):.2f}x / {curve.get(8, float('nan')):.2f}x a decode step"
+                   + (f", a draft token {draft_cost:.3f}x" if draft_cost is not None else ""))
+    else:
+        click.echo("tuned: no (spectr-edge tune measures this machine's costs; defaults are used meanwhile)")
     click.echo(f"providers on this machine: {', '.join(available_providers())}")
+
+
+@main.command()
+@click.option("--bundle", type=click.Path(), default=None, help="Bundle directory [default: models/default].")
+@click.option("--provider", type=PROVIDERS, default="auto", show_default=True)
+@click.option("--threads", type=int, default=None, help="Intra-op threads, as you will run generate.")
+@click.option("--repeats", type=int, default=5, show_default=True, help="Timed calls per size (median).")
+@click.option("--dry-run", is_flag=True, help="Measure and explain, but leave the manifest unchanged.")
+def tune(bundle, provider, threads, repeats, dry_run):
+    """Measure this machine's verification and draft costs and store them in the bundle."""
+    from .generator import load
+    from . import tune as tuning
+
+    if repeats < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--repeats")
+    gen = load(bundle, provider=provider, threads=threads)
+    click.echo(f"tuning {gen.bundle.path} on {gen.target.provider} (about a minute for a 1.5B float32 target)")
+    result = tuning.measure(gen, repeats=repeats, progress=click.echo)
+    for line in tuning.explain(result, gen.bundle):
+        click.echo(line)
+    if dry_run:
+        click.echo("dry run: manifest unchanged")
+        return
+    tuning.write(gen.bundle.path, result, gen.target.provider, threads)
+    click.echo(f"wrote the cost curve{' and draft cost' if 'decode_cost' in result else ''} to "
+               f"{gen.bundle.path / 'spectr.json'}; generate --adaptive and --draft lookup use them")
 
 
 @main.command()

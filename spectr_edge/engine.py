@@ -17,7 +17,8 @@ from typing import Iterator
 import numpy as np
 
 from . import selection
-from .lookup import CostCurve, PromptLookup
+from .lookup import PromptLookup
+from .policy import AdaptiveLength, CostCurve
 from .onnx_model import OnnxLM
 from .sampling import SamplingParams, greedy_token, logits_to_probs, sample
 from .stats import GenerationStats
@@ -35,14 +36,17 @@ class DecodeRequest:
     drafter: str = "model"       # model | lookup | model+lookup (lookup first, the model when it finds nothing)
     lookup_len: int = 8          # the most tokens a prompt-lookup step verifies
     lookup_ngram: tuple[int, int] = (1, 3)   # (min, max) n-gram size matched by prompt lookup
+    adaptive: bool = False       # k = 1: choose each step's draft length (0 = plain step) by policy.AdaptiveLength
 
 
 class Engine:
     """Target-only and speculative decoding over one target and an optional draft."""
 
-    def __init__(self, target: OnnxLM, draft: OnnxLM | None, vocab_size: int, cost: CostCurve | None = None):
+    def __init__(self, target: OnnxLM, draft: OnnxLM | None, vocab_size: int, cost: CostCurve | None = None,
+                 draft_cost: float = 0.15):
         self.target, self.draft, self.vocab_size = target, draft, vocab_size
         self.cost = cost or CostCurve.for_quant(target.spec.quant)   # the target's verification cost curve
+        self.draft_cost = draft_cost      # one drafted token, in target single-token decodes
         self.context_length = target.spec.context_length
         if draft is not None:
             self.context_length = min(self.context_length, draft.spec.context_length)
@@ -106,6 +110,9 @@ class Engine:
                                   min_ngram=req.lookup_ngram[0])
         stats.num_candidates, stats.draft_len = num_candidates, req.draft_len if use_model else req.lookup_len
         stats.reached, stats.accepted_at = [0] * stats.draft_len, [0] * stats.draft_len
+        policy = None
+        if req.adaptive and use_model and num_candidates == 1:
+            policy = AdaptiveLength(self.cost, self.draft_cost, req.draft_len)
         ids, t_cache = self._prefill(req, rng, stats)
         yield [ids[-1]]
         d_cache, draft_seen = (self.draft.new_cache() if use_model else None), 0
@@ -114,6 +121,9 @@ class Engine:
             # a step emits up to L + 1 tokens; never draft past the budget or the context
             budget = min(req.max_new_tokens - emitted - 1, self.context_length - len(ids) - 1)
             draft_len = min(req.draft_len, budget)
+            if policy is not None and draft_len >= 1:
+                draft_len = policy.choose(draft_len)
+                stats.undrafted += draft_len == 0          # the length rule chose a plain step
             proposal = []
             if lookup is not None and budget >= 1:
                 t0 = time.perf_counter()
@@ -128,8 +138,11 @@ class Engine:
                 tokens, draft_seen = self._greedy_tree_step(ids, t_cache, d_cache, draft_seen, num_candidates,
                                                             draft_len, req, rng, stats)
             else:
+                drafted = stats.drafted
                 tokens, draft_seen = self._spec_step(ids, t_cache, d_cache, draft_seen, num_candidates,
                                                      draft_len, req, rng, stats)
+                if policy is not None:
+                    policy.update(stats.drafted - drafted, len(tokens) - 1)
             ids.extend(tokens)
             emitted += len(tokens)
             yield tokens

@@ -13,7 +13,7 @@ import numpy as np
 from .bundle import Bundle, read_bundle
 from .engine import DecodeRequest, Engine
 from .errors import InputError
-from .lookup import CostCurve
+from .policy import CostCurve, default_draft_cost
 from .onnx_model import OnnxLM
 from .sampling import SamplingParams
 from .stats import GenerationStats
@@ -28,6 +28,7 @@ DEFAULT_GREEDY = (1, 6, 0.5)
 DEFAULT_SAMPLING = (1, 3, 0.0)
 DEFAULT_MAX_NEW_TOKENS = 256
 DRAFTERS = ("model", "lookup", "model+lookup")
+DEFAULT_ADAPTIVE = False      # policy.AdaptiveLength for k = 1 (per-step length from acceptance and cost)
 DEFAULT_LOOKUP_LEN = 8        # llama.cpp / HF copy 10 tokens; the cost rule in lookup.py shortens it per step
 
 
@@ -56,7 +57,12 @@ class Generator:
             self.draft = OnnxLM(bundle.draft, draft_provider or provider, threads, spinning=False)
         target_entry = bundle.manifest["models"]["target"]
         cost = CostCurve.for_quant(bundle.target.quant, target_entry.get("cost_curve"))
-        self.engine = Engine(self.target, self.draft, bundle.tokenizer.vocab_size, cost)
+        draft_cost = None
+        if bundle.draft is not None:
+            draft_cost = bundle.manifest["models"]["draft"].get("decode_cost")   # measured by `tune`
+            if draft_cost is None:
+                draft_cost = default_draft_cost(bundle.target.size_bytes, bundle.draft.size_bytes)
+        self.engine = Engine(self.target, self.draft, bundle.tokenizer.vocab_size, cost, draft_cost or 0.15)
 
     # -- the three entry points ---------------------------------------------------------------
     def generate(self, prompt: str, **options) -> GenerationResult:
@@ -76,14 +82,15 @@ class Generator:
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                      seed: int | None = None, rng: np.random.Generator | None = None,
                      num_candidates: int | None = None, draft_len: int | None = None,
-                     draft_stop: float | None = None, drafter: str | None = None) -> GenerationResult:
+                     draft_stop: float | None = None, drafter: str | None = None,
+                     adaptive: bool | None = None) -> GenerationResult:
         """Generate from raw token ids (no chat template, no stop strings); text is decoded for convenience."""
         result = GenerationResult("", [])
         prompt_ids = [int(i) for i in prompt_ids]
         for tokens in self._run(prompt_ids, result.stats, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rng=rng,
                                 num_candidates=num_candidates, draft_len=draft_len, draft_stop=draft_stop,
-                                drafter=drafter):
+                                drafter=drafter, adaptive=adaptive):
             result.token_ids.extend(tokens)
         result.text = self.codec.decode(result.token_ids)
         return result
@@ -113,7 +120,7 @@ class Generator:
             yield piece
 
     def _request(self, prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                 num_candidates, draft_len, draft_stop, drafter=None) -> DecodeRequest:
+                 num_candidates, draft_len, draft_stop, drafter=None, adaptive=None) -> DecodeRequest:
         _check(len(prompt_ids) > 0, "the prompt is empty; pass at least one token")
         _check(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
                f"max_new_tokens must be an integer >= 1 (got {max_new_tokens})")
@@ -151,13 +158,14 @@ class Generator:
                              float(draft_stop), drafter or "model",
                              draft_len if drafter == "lookup" else max(draft_len, DEFAULT_LOOKUP_LEN),
                              # with the model to fall back on, a one-token match is too weak a signal
-                             (1, 3) if drafter == "lookup" else (2, 3))
+                             (1, 3) if drafter == "lookup" else (2, 3),
+                             DEFAULT_ADAPTIVE if adaptive is None else bool(adaptive))
 
     def _run(self, prompt_ids, stats: GenerationStats, *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
              temperature=0.0, top_k=0, top_p=1.0, seed=None, rng=None, num_candidates=None,
-             draft_len=None, draft_stop=None, drafter=None) -> Iterator[list[int]]:
+             draft_len=None, draft_stop=None, drafter=None, adaptive=None) -> Iterator[list[int]]:
         req = self._request(prompt_ids, max_new_tokens, temperature, top_k, top_p, num_candidates, draft_len,
-                            draft_stop, drafter)
+                            draft_stop, drafter, adaptive)
         rng = rng if rng is not None else np.random.default_rng(seed)
         stats.prompt_tokens = len(prompt_ids)
         models = [m for m in (self.target, self.draft) if m is not None]

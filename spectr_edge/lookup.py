@@ -11,9 +11,9 @@ target time: with a running acceptance estimate a (per n-gram size, this generat
 step verifying L drafted tokens yields 1 + a + ... + a^L tokens on average and costs c(L + 1)
 single-token decodes, c being the target's verification cost curve. L = 0 (a plain decode step)
 wins whenever no L > 0 beats 1 / c(1) = 1, so a bad match costs nothing but the search. The
-curve comes from the bundle's manifest when one was measured there, else from defaults measured
-on a 2-core CPU (../shared/MODELS.md); only draft-side information and fixed numbers decide, so
-a seed gives the same output on every run and the law is unchanged.
+curve comes from the bundle's manifest when `spectr-edge tune` measured one, else from defaults
+measured on a 2-core CPU (policy.py); only draft-side information and fixed numbers decide, so a
+seed gives the same output on every run and the law is unchanged.
 """
 
 from __future__ import annotations
@@ -21,36 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-# relative cost of one target call scoring n tokens in one row (n = 1 is 1.0), by target precision:
-# Qwen2.5-Coder-1.5B on the 2-core CPU, ONNX Runtime 1.32 (../shared/MODELS.md)
-DEFAULT_COST_CURVES = {
-    "none": ((1, 1.0), (2, 1.19), (4, 1.27), (8, 1.58), (16, 2.29), (32, 3.96)),
-    "int8": ((1, 1.0), (2, 1.06), (4, 1.11), (8, 1.32), (16, 1.82), (32, 2.89)),
-    "int4": ((1, 1.0), (2, 1.23), (4, 1.81), (8, 3.02), (16, 5.37), (32, 10.3)),
-}
-PRIOR_ACCEPTED, PRIOR_REACHED = 1.0, 2.0   # acceptance estimate starts at 0.5, worth two observations
-
-
-class CostCurve:
-    """Piecewise-linear relative cost c(n) of scoring n tokens in one call; c(1) = 1."""
-
-    def __init__(self, points):
-        pts = sorted((int(n), float(c)) for n, c in points)
-        if not pts or pts[0][0] != 1:
-            raise ValueError("a cost curve starts at n = 1")
-        self.n = np.array([n for n, _ in pts], dtype=np.float64)
-        self.c = np.array([c for _, c in pts], dtype=np.float64) / pts[0][1]
-
-    @classmethod
-    def for_quant(cls, quant: str, measured=None) -> "CostCurve":
-        return cls(measured or DEFAULT_COST_CURVES.get(quant, DEFAULT_COST_CURVES["none"]))
-
-    def __call__(self, n: int) -> float:
-        if n <= self.n[-1]:
-            return float(np.interp(n, self.n, self.c))
-        slope = (self.c[-1] - self.c[-2]) / (self.n[-1] - self.n[-2])   # extrapolate the last piece
-        return float(self.c[-1] + slope * (n - self.n[-1]))
-
+from .policy import PRIOR_ACCEPTED, PRIOR_REACHED, CostCurve
 
 class PromptLookup:
     """The drafter and its per-generation acceptance statistics."""

@@ -16,6 +16,7 @@ class GenerationStats:
     steps: int = 0                   # speculative steps (one target call each)
     drafted: int = 0                 # draft positions offered for verification (L per step)
     accepted: int = 0                # draft tokens accepted
+    undrafted: int = 0               # steps the adaptive length rule decoded plainly (drafting would not pay)
     lookup_steps: int = 0            # steps that verified a prompt-lookup draft (counted in steps too)
     lookup_drafted: int = 0
     lookup_accepted: int = 0
@@ -76,6 +77,8 @@ class GenerationStats:
                          f"{self.tokens_per_target_call:.2f} tokens per target call, accepted "
                          f"{self.accepted}/{self.drafted} drafted ({100 * self.acceptance_rate:.0f}%), "
                          f"acceptance by position [{per_pos}]")
+            if self.undrafted:
+                lines.append(f"adaptive length: {self.undrafted} plain steps where drafting would not pay")
             if self.lookup_steps:
                 lines.append(f"prompt lookup: {self.lookup_steps} of the steps, accepted {self.lookup_accepted}/"
                              f"{self.lookup_drafted} copied tokens")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from spectr_edge.lookup import DEFAULT_COST_CURVES, CostCurve, PromptLookup
+from spectr_edge.lookup import PromptLookup
+from spectr_edge.policy import DEFAULT_COST_CURVES, CostCurve
 
 FLAT = CostCurve([(1, 1.0), (32, 1.0)])           # verification free: any positive acceptance pays
 

@@ -65,11 +65,13 @@ class Config:
     seed: int = 0
     draft_stop: float = 0.0       # adaptive draft length (stop on low draft confidence)
     drafter: str | None = None    # None = the draft model; "lookup" | "model+lookup" = prompt lookup
+    adaptive: bool = False        # per-step draft length from policy.AdaptiveLength
 
     def __str__(self) -> str:
         filters = f"-topk{self.top_k}-topp{self.top_p}" if self.top_k or self.top_p < 1 else ""
         stop = f"-stop{self.draft_stop}" if self.draft_stop else ""
         stop += f"-{self.drafter}" if self.drafter else ""
+        stop += "-adaptive" if self.adaptive else ""
         return (f"k{self.num_candidates}-L{self.draft_len}-T{self.temperature}{filters}{stop}"
                 f"-prompt{len(self.prompt)}-n{self.draws}")
 
@@ -149,6 +151,7 @@ class Draws:
     scored: int = 0               # tokens the target scored in speculative steps
     steps: int = 0
     lookup_steps: int = 0         # steps that verified a prompt-lookup draft
+    undrafted: int = 0            # steps the adaptive length rule decoded plainly
 
 
 def draw(gen, cfg: Config) -> Draws:
@@ -160,7 +163,8 @@ def draw(gen, cfg: Config) -> Draws:
     for _ in range(cfg.draws):
         res = gen.generate_ids(list(cfg.prompt), max_new_tokens=MAX_NEW_TOKENS, temperature=cfg.temperature,
                                top_k=cfg.top_k, top_p=cfg.top_p, num_candidates=cfg.num_candidates,
-                               draft_len=cfg.draft_len, draft_stop=cfg.draft_stop, drafter=cfg.drafter, rng=rng)
+                               draft_len=cfg.draft_len, draft_stop=cfg.draft_stop, drafter=cfg.drafter,
+                               adaptive=cfg.adaptive, rng=rng)
         ids = tuple(res.token_ids)
         assert len(ids) == MAX_NEW_TOKENS, ids               # eos_token_ids is empty
         assert all(0 <= t < VOCAB_SIZE for t in ids), f"padding or out-of-range id emitted: {ids}"
@@ -168,10 +172,11 @@ def draw(gen, cfg: Config) -> Draws:
             counts[name][ids[window]] += 1
         s = res.stats
         totals.update(accepted=s.accepted, drafted=s.drafted, target_calls=s.target_calls,
-                      draft_calls=s.draft_calls, scored=s.scored, steps=s.steps, lookup_steps=s.lookup_steps)
+                      draft_calls=s.draft_calls, scored=s.scored, steps=s.steps, lookup_steps=s.lookup_steps,
+                      undrafted=s.undrafted)
     return Draws(counts, cfg.draws, totals["accepted"], totals["drafted"], totals["target_calls"],
                  totals["draft_calls"], time.perf_counter() - started, totals["scored"], totals["steps"],
-                 totals["lookup_steps"])
+                 totals["lookup_steps"], totals["undrafted"])
 
 
 def check_law(draws: Draws, laws: dict[str, dict]) -> list[str]:
@@ -425,3 +430,29 @@ def test_prompt_lookup_greedy_equals_target_only(gen, tree_gen):
                 lookup_steps += res.stats.lookup_steps
                 accepted += res.stats.lookup_accepted
     assert lookup_steps > 0 and accepted > 0, (lookup_steps, accepted)
+
+
+# --------------------------------------------------------------------------- adaptive draft length
+# policy.AdaptiveLength picks each step's length (0 = a plain step) from the generation's own accept /
+# reject counts. The toy draft is as large as the toy target (draft cost 1.0 by weight bytes), which
+# would make it never draft; a cost of 0.05 per drafted token makes lengths vary from step to step.
+
+
+def test_adaptive_length_output_law_equals_target(bundle, gen, monkeypatch):
+    monkeypatch.setattr(gen.engine, "draft_cost", 0.05)
+    cfg = Config(1, 3, 1.0, prompt=LONG_PROMPT, seed=40, adaptive=True)
+    draws = draw(gen, cfg)
+    assert draws.undrafted > 0 and draws.steps > draws.n    # the rule chose plain steps at times, and drafts
+    assert_engine_follows_target(bundle, gen, cfg, draws)
+
+
+def test_adaptive_length_greedy_equals_target_only(gen, monkeypatch):
+    rng = np.random.default_rng(41)
+    for cost in (0.05, 0.5, 2.0):                         # drafts often, sometimes, only when probing
+        monkeypatch.setattr(gen.engine, "draft_cost", cost)
+        for trial in range(8):
+            prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(1, 6)))]
+            plain = gen.generate_ids(prompt, max_new_tokens=24, temperature=0.0, num_candidates=0).token_ids
+            res = gen.generate_ids(prompt, max_new_tokens=24, temperature=0.0, num_candidates=1, draft_len=4,
+                                   adaptive=True, draft_stop=0.0)
+            assert res.token_ids == plain, (prompt, cost)

@@ -8,7 +8,7 @@ stderr). The worker first sends {"ready": true, "info": {...versions...}}. A req
 {"id", "result": {...measurements...}} or {"id", "error": "one line"}. An empty line or EOF ends it.
 
 config keys for spectr-edge: temperature, k (0 = target-only), L, stop (draft_stop), top_k, top_p,
-drafter (model | lookup | model+lookup).
+drafter (model | lookup | model+lookup), adaptive (bool).
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def main() -> None:
             kwargs["draft_stop"] = c["stop"]
         if c.get("drafter"):
             kwargs["drafter"] = c["drafter"]
+        if "adaptive" in c:
+            kwargs["adaptive"] = c["adaptive"]
         res = gen.generate_ids(req["prompt_ids"], **kwargs)
         s = res.stats
         return {"new_tokens": s.new_tokens, "seconds": s.seconds_total, "ttft_s": s.seconds_first_token,
@@ -79,7 +81,7 @@ def main() -> None:
                 "seconds_target": s.seconds_target, "seconds_draft": s.seconds_draft,
                 "seconds_select": s.seconds_select, "reached": s.reached, "accepted_at": s.accepted_at,
                 "token_ids": res.token_ids, "stop_reason": s.stop_reason, "lookup_steps": s.lookup_steps,
-                "lookup_drafted": s.lookup_drafted, "lookup_accepted": s.lookup_accepted}
+                "lookup_drafted": s.lookup_drafted, "lookup_accepted": s.lookup_accepted, "undrafted": s.undrafted}
 
     serve(proto, info, handle)
 

@@ -1,0 +1,85 @@
+"""Draft-length rules (spectr_edge/policy.py) and `spectr-edge tune` (spectr_edge/tune.py).
+
+The rules' arithmetic is checked on hand-set acceptance counts; the engine's output law with
+adaptive lengths is in test_montecarlo.py. tune is run for real on a toy bundle: its timings
+are not asserted (ground rule 3), only what it writes and that the bundle still generates."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from spectr_edge.policy import EXPLORE_AFTER, AdaptiveLength, CostCurve, default_draft_cost
+from toy_lm import build_toy_bundle
+
+FP32 = CostCurve.for_quant("none")
+
+
+def _set(policy: AdaptiveLength, acceptance: float) -> None:
+    policy.reached[:] = 100.0
+    policy.accepted[:] = 100.0 * acceptance
+
+
+def test_length_maximises_expected_tokens_per_cost():
+    policy = AdaptiveLength(FP32, draft_cost=0.13, max_len=8)
+    _set(policy, 0.68)
+    best = policy.choose(8)
+    # by hand: E(L) = sum_{j<=L} 0.68^j over c(L + 1) + 0.13 L; L = 3 gives 2.456832 / 1.66 = 1.48
+    assert best == 3 and policy.rate(3) == pytest.approx(2.456832 / (1.27 + 0.39), rel=1e-6)
+    assert all(policy.rate(best) >= policy.rate(L) for L in range(1, 9))
+    assert policy.choose(2) == 2                         # the budget caps it
+
+
+def test_no_draft_when_it_cannot_pay_but_a_probe_now_and_then():
+    policy = AdaptiveLength(CostCurve.for_quant("int4"), draft_cost=0.46, max_len=6)
+    _set(policy, 0.3)
+    choices = [policy.choose(6) for _ in range(2 * EXPLORE_AFTER)]
+    assert choices.count(1) == 2 and set(choices) == {0, 1}   # plain steps, one 1-token probe every 8
+    _set(policy, 0.98)
+    assert policy.choose(6) >= 2                          # a draft that is nearly always right pays even here
+
+
+def test_update_counts_reached_positions_and_decays():
+    policy = AdaptiveLength(FP32, draft_cost=0.1, max_len=4)
+    policy.update(4, 1)                                   # position 1 accepted, position 2 rejected
+    assert policy.reached.tolist() == pytest.approx([0.95 * 2 + 1, 0.95 * 2 + 1, 0.95 * 2, 0.95 * 2])
+    assert policy.accepted.tolist() == pytest.approx([0.95 + 1, 0.95, 0.95, 0.95])
+
+
+def test_default_draft_cost_is_the_weight_ratio():
+    assert default_draft_cost(6_000, 780) == pytest.approx(0.13)
+    assert default_draft_cost(None, 10) == 0.15
+
+
+CLI = [sys.executable, "-m", "spectr_edge.cli"]
+
+
+def test_tune_writes_costs_that_generate_uses(tmp_path):
+    bundle = build_toy_bundle(tmp_path / "b", seed_target=41, seed_draft=42)
+    before = (bundle / "spectr.json").read_text()
+    dry = subprocess.run(CLI + ["tune", "--bundle", str(bundle), "--provider", "cpu", "--repeats", "2", "--dry-run"],
+                         capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr
+    assert "draft model" in dry.stdout and "prompt lookup" in dry.stdout
+    assert (bundle / "spectr.json").read_text() == before
+    res = subprocess.run(CLI + ["tune", "--bundle", str(bundle), "--provider", "cpu", "--repeats", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    m = json.loads((bundle / "spectr.json").read_text())
+    curve = m["models"]["target"]["cost_curve"]
+    assert [n for n, _ in curve] == [1, 2, 3, 4, 6, 8, 12, 16] and curve[0][1] == 1.0
+    assert all(b >= a for (_, a), (_, b) in zip(curve, curve[1:]))       # non-decreasing by construction
+    assert m["models"]["draft"]["decode_cost"] > 0 and m["tuning"]["provider"] == "CPU"
+    assert not list(bundle.glob(".spectr.json.*"))                        # no temporary left behind
+    info = subprocess.run(CLI + ["info", "--bundle", str(bundle)], capture_output=True, text=True, timeout=120)
+    assert "tuned 20" in info.stdout
+    import spectr_edge
+    gen = spectr_edge.load(bundle, provider="cpu", threads=1)
+    assert gen.engine.draft_cost == m["models"]["draft"]["decode_cost"]
+    plain = gen.generate_ids([1, 2, 3], max_new_tokens=12, num_candidates=0).token_ids
+    assert gen.generate_ids([1, 2, 3], max_new_tokens=12, adaptive=True, num_candidates=1).token_ids == plain
+    bad = subprocess.run(CLI + ["tune", "--bundle", str(bundle), "--repeats", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--repeats" in bad.stderr and "Traceback" not in bad.stderr
