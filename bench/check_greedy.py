@@ -22,11 +22,12 @@ def check_rows(rows: list[dict]) -> tuple[int, int, list[str]]:
     Returns (rows compared, rows that accepted draft tokens, descriptions of differences).
     Rows of spec_sweep.py (keys k, acceptance) or of run.py (config, accepted; spectr-edge rows only)."""
     rows = [_normal(r) for r in rows if r.get("tool", "spectr-edge") == "spectr-edge" and "error" not in r]
-    plain = {r["prompt_id"]: r["token_ids"] for r in rows if r["temperature"] == 0 and r["k"] == 0}
+    # a bundle tag ("... [int4 target]") means another bundle: compare with that bundle's target-only
+    plain = {(r["prompt_id"], _tag(r)): r["token_ids"] for r in rows if r["temperature"] == 0 and r["k"] == 0}
     spec = [r for r in rows if r["temperature"] == 0 and r["k"] != 0]
     failures = []
     for r in spec:
-        want = plain[r["prompt_id"]]
+        want = plain[(r["prompt_id"], _tag(r))]
         if r["token_ids"] != want:
             at = next((i for i, (a, b) in enumerate(zip(r["token_ids"], want)) if a != b),
                       min(len(want), len(r["token_ids"])))
@@ -34,10 +35,15 @@ def check_rows(rows: list[dict]) -> tuple[int, int, list[str]]:
     return len(spec), sum(r["acceptance"] > 0 for r in spec), failures
 
 
+def _tag(r: dict) -> str:
+    name = r.get("method") or ""
+    return name[name.rindex("[") + 1:-1] if name.endswith("]") else ""
+
+
 def _normal(r: dict) -> dict:
     if "config" in r and isinstance(r["config"], dict):     # run.py row; k absent = the shipped default
         k = r["config"].get("k", -1)
-        return {**r, "k": k, "acceptance": r.get("accepted") or 0, "config": r["method"]}
+        return {**r, "k": k, "acceptance": r.get("accepted") or 0, "config": r["method"], "method": r["method"]}
     return r
 
 

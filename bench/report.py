@@ -101,15 +101,20 @@ def summary(raw: dict) -> list[dict]:
     return table
 
 
-def per_task(raw: dict) -> dict[str, dict[str, float]]:
+def per_task(raw: dict, own: bool = False) -> dict[str, dict[str, float]]:
+    """Median speedup per Spec-Bench task; with own=True against each method's own target-only
+    (methods that have one)."""
     rows, methods = raw["rows"], raw["meta"]["methods"]
     tasks = [t for t in TASKS if any(p["task"] == t for p in raw["meta"]["prompts"])]
     out = {}
     for m in unique_methods(methods):
+        if own and not m.get("own_baseline"):
+            continue
         out[m["name"]] = {}
         for t in tasks:
             ids = {p["id"] for p in raw["meta"]["prompts"] if p["task"] == t}
-            out[m["name"]][t] = median(speedups(rows, methods, m["name"], ids))
+            out[m["name"]][t] = median(speedups(rows, methods, m["name"], ids,
+                                                against=m["own_baseline"] if own else None))
     return out
 
 
@@ -151,6 +156,13 @@ def markdown(raw: dict) -> str:
         lines += ["", "Speedup vs target-only per Spec-Bench task (median over the task's prompts):", "",
                   "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for m, by in tasks.items():
+            lines.append(f"| {m} | " + " | ".join(_f(by[t], '.2f') for t in names) + " |")
+    own_tasks = per_task(raw, own=True)
+    if own_tasks and len(names) > 1:
+        lines += ["", "Speedup vs the method's own target-only per task (never-slower check; peers: the tool's "
+                  "own target-only; spectr-edge on another bundle: that bundle's target-only):", "",
+                  "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for m, by in own_tasks.items():
             lines.append(f"| {m} | " + " | ".join(_f(by[t], '.2f') for t in names) + " |")
     lines += ["", "Acceptance at each draft position (steps that accepted it / steps that verified it):", ""]
     for t in table:

@@ -112,3 +112,21 @@ def test_grouped_runs_pair_each_row_with_its_own_groups_anchor():
     assert table["peer spec 2"]["vs_own"] == pytest.approx(2.5)
     text = report.markdown(raw)
     assert "vs its own target-only |" in text and "| 0.75x |" in text and "Run in groups" in text
+
+
+def test_check_greedy_compares_each_bundle_with_its_own_target_only():
+    import check_greedy
+
+    def row(method, k, ids, accepted=0):
+        return {"method": method, "tool": "spectr-edge", "temperature": 0.0, "prompt_id": 7,
+                "config": {"temperature": 0.0, **({"k": k} if k is not None else {"drafter": "lookup"})},
+                "token_ids": ids, "accepted": accepted}
+
+    rows = [row("spectr-edge T=0 target-only", 0, [1, 2, 3]),
+            row("spectr-edge T=0 target-only [int4 target]", 0, [1, 2, 4]),
+            row("spectr-edge T=0 k=1 L=3", 1, [1, 2, 3], 2),
+            row("spectr-edge T=0 lookup [int4 target]", None, [1, 2, 4], 1)]
+    assert check_greedy.check_rows(rows) == (2, 2, [])
+    rows.append(row("spectr-edge T=0 k=1 L=3 [int4 target]", 1, [1, 2, 3], 1))   # fp32's tokens: a difference
+    compared, accepting, failures = check_greedy.check_rows(rows)
+    assert compared == 3 and len(failures) == 1 and "first difference at token 2" in failures[0]
