@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from export import onnx_export, quantize  # noqa: E402
-
-LINK_ABOVE = 64 * 2**20
+from tree_twin import link_or_copy  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -42,13 +42,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: {src}'s target is already {target['quant']}")
     tmp = dst.with_name(dst.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
+    # everything but the manifest and the float32 target graph and data, which are replaced
     skip = {f.resolve() for f in onnx_export.model_files(src / target["file"])} | {(src / "spectr.json").resolve()}
-    for f in sorted(src.rglob("*")):
-        if f.is_dir() or f.resolve() in skip:   # the float32 target graph and its data are replaced
-            continue
-        out = tmp / f.relative_to(src)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        (os.link if f.stat().st_size > LINK_ABOVE else shutil.copy2)(f, out)
+    link_or_copy(src, tmp, skip)
     out_file = tmp / target["file"]
     out_file.parent.mkdir(parents=True, exist_ok=True)
     print(f"quantizing {src / target['file']} to {args.target_quant} ...", flush=True)

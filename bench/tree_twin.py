@@ -24,20 +24,22 @@ from export.tree_mask import add_tree_mask_to_bundle  # noqa: E402
 LINK_ABOVE = 64 * 2**20   # files larger than this are linked, not copied
 
 
+def link_or_copy(src_dir: Path, dst_dir: Path, skip=frozenset()) -> None:
+    """Recreate src_dir's files under dst_dir: large ones hard-linked (ONNX Runtime refuses external
+    data outside the model's folder, symlinks included), small ones copied; `skip`: resolved paths."""
+    for f in sorted(src_dir.rglob("*")):
+        if f.is_dir() or f.resolve() in skip:
+            continue
+        target = dst_dir / f.relative_to(src_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (os.link if f.stat().st_size > LINK_ABOVE else shutil.copy2)(f, target)
+
+
 def main(src: str, dst: str) -> None:
     src_dir, dst_dir = Path(src).resolve(), Path(dst)
     if dst_dir.exists():
         raise SystemExit(f"error: {dst_dir} exists; remove it first")
-    for f in sorted(src_dir.rglob("*")):
-        target = dst_dir / f.relative_to(src_dir)
-        if f.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-        elif f.stat().st_size > LINK_ABOVE:   # a hard link: ONNX Runtime refuses external data outside
-            target.parent.mkdir(parents=True, exist_ok=True)   # the model's folder, symlinks included
-            os.link(f, target)
-        else:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, target)
+    link_or_copy(src_dir, dst_dir)
     changed = add_tree_mask_to_bundle(dst_dir)
     print(f"{dst_dir}: {', '.join(changed)} take a tree mask; weights linked from {src_dir}")
 

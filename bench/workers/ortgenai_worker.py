@@ -149,7 +149,7 @@ def main() -> None:
             # 0.18 ends on eos without putting it in the sequence (seen with Qwen2.5: 17 tokens where
             # llama.cpp and spectr-edge give the same 17 plus <|im_end|>). The eos step was run and
             # timed, so it is counted, as the other tools count theirs.
-            if stop_reason == "context" and len(tokens) + n_prompt < n_prompt + max_new:
+            if stop_reason == "context":   # done before max_new_tokens: it stopped on eos
                 stop_reason, hidden_eos = "eos", True
         out = {"new_tokens": len(tokens) + hidden_eos, "seconds": seconds,
                "ttft_s": ttft if ttft is not None else seconds, "token_ids": tokens, "stop_reason": stop_reason,
