@@ -61,6 +61,25 @@ def default_draft_cost(target_bytes: int | None, draft_bytes: int | None) -> flo
     return draft_bytes / target_bytes
 
 
+def step_rate(cost: CostCurve, draft_cost: float, acceptance) -> float:
+    """Expected tokens per unit of time of a step drafting len(acceptance) tokens; acceptance[j] is
+    the chance position j is accepted given the earlier ones."""
+    length = len(acceptance)
+    expected = 1.0 + float(np.cumprod(np.asarray(acceptance, dtype=np.float64)).sum())
+    return expected / (cost(length + 1) + draft_cost * length)
+
+
+def best_length(cost: CostCurve, draft_cost: float, acceptance) -> tuple[int, float]:
+    """(length, rate): the prefix of `acceptance` worth drafting; length 0 (a plain step, rate 1)
+    unless some length beats it. The shortest wins ties."""
+    best, best_rate = 0, 1.0
+    for length in range(1, len(acceptance) + 1):
+        r = step_rate(cost, draft_cost, acceptance[:length])
+        if r > best_rate * (1 + 1e-9):
+            best, best_rate = length, r
+    return best, best_rate
+
+
 class AdaptiveLength:
     """Per-generation draft length for the draft model (k = 1): per-position acceptance estimates and
     the length with the most expected tokens per unit of predicted step time."""
@@ -73,16 +92,11 @@ class AdaptiveLength:
 
     def rate(self, length: int) -> float:
         """Expected tokens per unit of time for a step drafting `length` tokens."""
-        a = self.accepted[:length] / self.reached[:length]
-        expected = 1.0 + float(np.cumprod(a).sum())
-        return expected / (self.cost(length + 1) + self.draft_cost * length)
+        return step_rate(self.cost, self.draft_cost, self.accepted[:length] / self.reached[:length])
 
     def choose(self, budget: int) -> int:
-        best, best_rate = 0, 1.0
-        for length in range(1, min(self.max_len, budget) + 1):
-            r = self.rate(length)
-            if r > best_rate * (1 + 1e-9):
-                best, best_rate = length, r
+        upto = min(self.max_len, budget)
+        best, _ = best_length(self.cost, self.draft_cost, self.accepted[:upto] / self.reached[:upto])
         if best == 0 and budget >= 1:
             self.plain_run += 1
             if self.plain_run >= EXPLORE_AFTER:   # keep learning: a cheap probe now and then

@@ -71,7 +71,7 @@ def measure(gen, sizes=SIZES, repeats: int = 5, progress=print) -> dict:
 
 def explain(result: dict, bundle) -> list[str]:
     """What the length rules will do with these costs, at a few acceptance rates."""
-    from .policy import AdaptiveLength
+    from .policy import best_length
 
     cost = CostCurve(result["cost_curve"])
     lines = []
@@ -80,18 +80,13 @@ def explain(result: dict, bundle) -> list[str]:
         lines.append(f"draft model (one drafted token = {result['decode_cost']:.3f} decode steps; "
                      f"the untuned default guessed {guess:.3f}):")
         for a in (0.5, 0.7, 0.9):
-            policy = AdaptiveLength(cost, result["decode_cost"], 8)
-            policy.accepted[:] = a * policy.reached
-            length = policy.choose(8)
-            gain = policy.rate(length) if length else 1.0
+            length, gain = best_length(cost, result["decode_cost"], [a] * 8)
             lines.append(f"  acceptance {a:.1f}: draft {length} tokens per step, "
                          f"{gain:.2f}x the tokens per unit of time of plain decoding")
     lines.append("prompt lookup (drafting is free; verifying n tokens costs the curve above):")
     for a in (0.3, 0.6, 0.9):
-        expected = lambda L: sum(a ** j for j in range(L + 1))   # noqa: E731
-        best = max(range(9), key=lambda L: expected(L) / cost(L + 1))
-        lines.append(f"  acceptance {a:.1f}: verify up to {best} copied tokens "
-                     f"({expected(best) / cost(best + 1):.2f}x)")
+        length, gain = best_length(cost, 0.0, [a] * 8)
+        lines.append(f"  acceptance {a:.1f}: verify up to {length} copied tokens ({gain:.2f}x)")
     return lines
 
 
