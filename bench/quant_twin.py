@@ -52,6 +52,8 @@ def main(argv=None) -> None:
     target.update(quant=args.target_quant,
                   size_bytes=sum(f.stat().st_size for f in onnx_export.model_files(out_file)))
     target.pop("parity_max_abs_diff", None)   # measured for the float32 graph, not this one
+    if quantize.min_call_tokens(out_file) > 1:
+        target["min_call_tokens"] = quantize.min_call_tokens(out_file)   # int4: same numerics in every call
     manifest["name"] = f"{manifest.get('name', src.name)}-target-{args.target_quant}"
     (tmp / "spectr.json").write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, dst)

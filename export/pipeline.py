@@ -175,17 +175,20 @@ def _place(role: str, g: Graph, quant: str, bundle: Path, progress: Progress, id
             agree = float(np.mean(got.argmax(-1) == g.ort_logits.argmax(-1)))
             progress.log(f"      greedy top-1 agreement {quant} vs float32 on the probe: {agree:.2f} ({len(ids)} tokens)")
     files = onnx_export.model_files(dst)
-    return writer.model_entry(role, files, bundle, io, g.config, tok, source, quant, parity)
+    entry = writer.model_entry(role, files, bundle, io, g.config, tok, source, quant, parity)
+    if role == "target" and quant != "none" and quantize.min_call_tokens(dst) > 1:
+        entry["min_call_tokens"] = quantize.min_call_tokens(dst)
+    return entry
 
 
-def _add_tree_mask(role: str, entry: dict, bundle: Path, progress: Progress, ids: np.ndarray) -> dict:
-    """Rewrite role's graph to take a 4D attention mask (tree verification), checked against the original."""
-    with progress.step(f"adding a tree mask to the {role} graph"):
+def _add_tree_mask(role: str, entry: dict, bundle: Path, progress: Progress, ids: np.ndarray,
+                   fuse: bool = True) -> dict:
+    """Rewrite role's graph to take a 4D attention mask (tree verification) and, where the
+    pattern is found, fused attention; checked against the original."""
+    with progress.step(f"adding a tree mask to the {role} graph" + (" and fusing its attention" if fuse else "")):
         src = bundle / entry["file"]
         tmp = src.with_name(src.stem + ".tree.onnx")
-        still = tree_mask.rewrite_graph(src, tmp)
-        new = tree_mask.tree_entry(entry, still)
-        checked = tree_mask.check_tree_graph(src, tmp, entry, new, ids[:32])
+        new, checked = tree_mask.rewrite_checked(src, tmp, entry, ids[:32], fuse=fuse, log=progress.log)
         os.replace(tmp, src)
         new["size_bytes"] = sum(f.stat().st_size for f in onnx_export.model_files(src))
         progress.log(f"      {checked}")

@@ -84,6 +84,27 @@ def _weight_bytes(model) -> int:
     return sum(len(t.raw_data) for t in model.graph.initializer)
 
 
+def min_call_tokens(path: Path) -> int:
+    """2 when the graph's int4 MatMulNBits compute with int8 activations (accuracy_level 4), else 1.
+
+    ONNX Runtime's CPU kernel then takes another path for a 1-row call than for 2 or more rows
+    (measured on the 1.5B int4 target: the same token's logits move by 0.17 between a 1-token call
+    and any longer one, and are bit-identical across 2, 3, ..., 16), so greedy speculative output
+    would drift from 1-token decoding at near-ties. The runtime pads 1-token calls of such a target
+    to 2 (spectr_edge/onnx_model.py), which makes every call use the same numerics.
+    int8 dynamic quantization scales activations per call over all rows: padding cannot fix that.
+    """
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    if any(n.op_type == "DynamicQuantizeLinear" for n in graph.node):
+        return 1
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    if any(a.name == "accuracy_level" and a.i >= 4 for n in nbits for a in n.attribute):
+        return 2
+    return 1
+
+
 def quantize(src: Path, dst: Path, quant: str) -> int:
     """Write the quant-bit version of src to dst (same I/O); return how many lm_heads were untied."""
     import onnx

@@ -54,6 +54,9 @@ class ModelSpec:
     tree_mask: str | None                 # name of the 4D bool mask input [batch, 1, new, past + new]
     source: str
     size_bytes: int | None
+    attention: str = "unfused"            # "gqa": fused GroupQueryAttention, cache buffers updated in place
+    min_call_tokens: int = 1              # 2: the kernels round a 1-token call differently (int4 MatMulNBits
+                                          # with int8 activations), so every call scores >= 2 tokens
 
 
 @dataclass(frozen=True)
@@ -117,10 +120,20 @@ def _model_spec(bundle: Path, role: str, m: dict) -> ModelSpec:
             logits=_require(outputs, "logits", f"{where}.outputs"),
             present=tuple((k, v) for k, v in _require(outputs, "present", f"{where}.outputs")),
             tree_mask=_tree_mask(m.get("tree_mask"), where), source=str(m.get("source", "")),
-            size_bytes=m.get("size_bytes"),
+            size_bytes=m.get("size_bytes"), attention=_attention(m.get("attention"), m.get("tree_mask"), where),
+            min_call_tokens=int(m.get("min_call_tokens", 1)),
         )
     except (TypeError, ValueError) as err:
         raise BundleError(f"spectr.json entry {where} is malformed ({err}); re-export the bundle") from None
+
+
+def _attention(value, tree_mask, where: str) -> str:
+    if value in (None, "unfused"):
+        return "unfused"
+    if value != "gqa" or not tree_mask:
+        raise BundleError(f"spectr.json {where}.attention is {value!r}; expected 'unfused', or 'gqa' on a graph "
+                          "with a tree mask (re-export the bundle)")
+    return value
 
 
 def _tree_mask(value, where: str) -> str | None:

@@ -181,7 +181,8 @@ def tune(bundle, provider, threads, repeats, dry_run):
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
 @click.option("--no-tree-mask", is_flag=True, help="Keep the 2D attention mask (no tree verification).")
 @click.option("--add-tree-mask", is_flag=True,
-              help="Upgrade the existing bundle at --out in place: its graphs take a tree mask (weights untouched).")
+              help="Upgrade the existing bundle at --out in place: its graphs take a tree mask and use fused "
+                   "attention with in-place cache buffers where the graph allows (weights untouched).")
 def export(target, draft, preset, out, target_quant, draft_quant, overwrite, no_tree_mask, add_tree_mask):
     """Export a target (and draft) model into a bundle."""
     if add_tree_mask:

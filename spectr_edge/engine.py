@@ -45,7 +45,7 @@ class Engine:
     def __init__(self, target: OnnxLM, draft: OnnxLM | None, vocab_size: int, cost: CostCurve | None = None,
                  draft_cost: float = 0.15):
         self.target, self.draft, self.vocab_size = target, draft, vocab_size
-        self.cost = cost or CostCurve.for_quant(target.spec.quant)   # the target's verification cost curve
+        self.cost = (cost or CostCurve.for_quant(target.spec.quant)).floored(target.spec.min_call_tokens)
         self.draft_cost = draft_cost      # one drafted token, in target single-token decodes
         self.context_length = target.spec.context_length
         if draft is not None:

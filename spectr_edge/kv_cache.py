@@ -67,3 +67,94 @@ class KVCache:
         index = np.concatenate([np.arange(keep, dtype=np.int64), positions])
         self.layers = [(np.take(k, index, axis=2), np.take(v, index, axis=2)) for k, v in self.layers]
 
+
+
+class BufferKVCache:
+    """A cache in preallocated buffers that the fused attention kernel updates in place.
+
+    For graphs exported with `"attention": "gqa"` (export/fuse_attention.py) on the CPU: every
+    call reads the past from, and writes its new positions into, the same buffers # [batch,
+    kv_heads, capacity, head_dim], so nothing is concatenated, copied out or reallocated per
+    call. Rolling back rejected tokens is just a smaller `length` (the kernel reads positions
+    below `seqlens_k` only); a tree path is moved to contiguous positions in place.
+    Same operations as KVCache; `layers` gives views of the valid positions.
+    """
+
+    GROW = 256
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype=np.float32, capacity: int = 512):
+        self._geometry = (num_layers, num_kv_heads, head_dim, dtype)
+        self.buffers = self._allocate(1, capacity)
+        self.length = 0
+        self._values = None
+
+    def _allocate(self, rows: int, capacity: int) -> list[np.ndarray]:
+        layers, heads, dim, dtype = self._geometry
+        return [np.zeros((rows, heads, capacity, dim), dtype=dtype) for _ in range(2 * layers)]
+
+    def _replace(self, buffers: list[np.ndarray]) -> None:
+        self.buffers = buffers
+        self._values = None
+
+    @property
+    def batch(self) -> int:
+        return self.buffers[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers[0].shape[2]
+
+    @property
+    def layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        n = self.length
+        return [(self.buffers[2 * i][:, :, :n], self.buffers[2 * i + 1][:, :, :n])
+                for i in range(len(self.buffers) // 2)]
+
+    def reserve(self, total: int) -> None:
+        """Make room for `total` positions (grows geometrically, copying the valid ones once)."""
+        if total <= self.capacity:
+            return
+        capacity = -(-max(total, 2 * self.capacity) // self.GROW) * self.GROW
+        bigger = self._allocate(self.batch, capacity)
+        for new, old in zip(bigger, self.buffers):
+            new[:, :, :self.length] = old[:, :, :self.length]
+        self._replace(bigger)
+
+    def ort_values(self) -> list:
+        """One OrtValue per buffer, sharing its memory (bound as both past input and present output)."""
+        if self._values is None:
+            import onnxruntime as ort
+
+            self._values = [ort.OrtValue.ortvalue_from_numpy(b) for b in self.buffers]
+        return self._values
+
+    def advance(self, new: int) -> None:
+        self.length += new
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length
+
+    def repeat_rows(self, num_rows: int) -> None:
+        if self.batch != 1:
+            raise ValueError(f"repeat_rows needs a batch-1 cache, this one has {self.batch} rows")
+        if num_rows == 1:
+            return
+        rows = self._allocate(num_rows, self.capacity)
+        for new, old in zip(rows, self.buffers):
+            new[:, :, :self.length] = old[:, :, :self.length]
+        self._replace(rows)
+
+    def keep_row(self, row: int) -> None:
+        if self.batch == 1 and row == 0:
+            return
+        self._replace([b[row:row + 1] for b in self.buffers])   # a leading-axis slice stays contiguous
+
+    def gather(self, keep: int, positions: np.ndarray) -> None:
+        positions = np.asarray(positions, dtype=np.int64)
+        m = len(positions)
+        if not np.array_equal(positions, np.arange(keep, keep + m)):
+            for b in self.buffers:
+                b[:, :, keep:keep + m] = b[:, :, positions]    # fancy indexing reads a copy first
+        self.length = keep + m

@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 from .bundle import ModelSpec
 from .errors import BundleError, ProviderError
-from .kv_cache import KVCache
+from .kv_cache import BufferKVCache, KVCache
 
 PROVIDER_NAMES = ("auto", "cpu", "cuda", "tensorrt")
 _ORT = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
@@ -112,8 +112,14 @@ class OnnxLM:
                               f"({', '.join(missing[:3]) or 'layer count'}); export it with a KV cache "
                               "(task text-generation-with-past) via spectr-edge export")
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+    @property
+    def in_place(self) -> bool:
+        """Whether caches live in buffers the fused attention updates in place (CPU, "gqa" graphs)."""
+        return self.spec.attention == "gqa" and self.provider == "CPU"
+
+    def new_cache(self) -> KVCache | BufferKVCache:
+        cls = BufferKVCache if self.in_place else KVCache
+        return cls(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
 
     @property
     def takes_tree(self) -> bool:
@@ -131,6 +137,9 @@ class OnnxLM:
         """
         spec = self.spec
         batch, new = input_ids.shape
+        pad = spec.min_call_tokens - new if batch == 1 else 0
+        if pad > 0:
+            return self._forward_padded(input_ids, cache, tree, depth, pad)
         past = cache.length
         feeds = {spec.input_ids: np.ascontiguousarray(input_ids, dtype=np.int64)}
         if spec.tree_mask:
@@ -147,6 +156,8 @@ class OnnxLM:
             offsets = np.arange(new) if depth is None else np.asarray(depth)
             positions = (past + offsets).astype(np.int64)
             feeds[spec.position_ids] = np.broadcast_to(positions, (batch, new)).copy()  # [batch, new]
+        if isinstance(cache, BufferKVCache):
+            return self._forward_in_place(feeds, cache, new)
         for (k_name, v_name), (k, v) in zip(spec.past, cache.layers):
             feeds[k_name], feeds[v_name] = k, v
         started = time.perf_counter()
@@ -155,3 +166,54 @@ class OnnxLM:
         self.calls += 1
         cache.replace([(outputs[1 + 2 * i], outputs[2 + 2 * i]) for i in range(spec.num_layers)])
         return outputs[0]
+
+    def _forward_padded(self, input_ids, cache, tree, depth, pad: int) -> np.ndarray:
+        """Score `new` tokens in a call of new + pad rows, then drop the padding's logits and cache.
+
+        For graphs whose kernels take another path (other rounding) for a 1-token call than for
+        longer ones: every call then computes the same numerics, so a token's logits do not depend
+        on whether it was decoded alone or verified in a block, and greedy equality is exact.
+        The padding repeats the last token after the real ones; causal attention keeps the real
+        rows from seeing it.
+        """
+        new = input_ids.shape[1]
+        ids = np.concatenate([input_ids, np.repeat(input_ids[:, -1:], pad, axis=1)], axis=1)
+        if tree is not None or depth is not None:
+            full = np.tri(new + pad, dtype=bool)
+            if tree is not None:
+                full[:new, :new] = tree
+            offsets = np.arange(new) if depth is None else np.asarray(depth)
+            depth = np.concatenate([offsets, offsets[-1] + 1 + np.arange(pad)])
+            tree = full
+        length = cache.length
+        logits = self.forward(ids, cache, tree, depth)
+        cache.crop(length + new)
+        return logits[:, :new]
+
+    def _forward_in_place(self, feeds: dict, cache: BufferKVCache, new: int) -> np.ndarray:
+        """One call whose past inputs and present outputs are the same cache buffers (I/O binding).
+
+        The graph's GroupQueryAttention reads positions below past + new (from the tree mask's
+        width) and writes the new ones at past..past + new - 1, in place.
+        """
+        if new > 1 and cache.batch > 1 and cache.length:
+            raise ValueError("a fused-attention graph scores several new tokens after a past in batch 1 only")
+        cache.reserve(cache.length + new)
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        binding.bind_output(self.spec.logits, "cpu")
+        values = cache.ort_values()
+        for i, (k_name, v_name) in enumerate(self.spec.past):
+            binding.bind_ortvalue_input(k_name, values[2 * i])
+            binding.bind_ortvalue_input(v_name, values[2 * i + 1])
+        for i, (k_name, v_name) in enumerate(self.spec.present):
+            binding.bind_ortvalue_output(k_name, values[2 * i])
+            binding.bind_ortvalue_output(v_name, values[2 * i + 1])
+        started = time.perf_counter()
+        self.session.run_with_iobinding(binding)
+        logits = binding.get_outputs()[0].numpy()
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+        cache.advance(new)
+        return logits

@@ -42,6 +42,15 @@ class CostCurve:
     def for_quant(cls, quant: str, measured=None) -> "CostCurve":
         return cls(measured or DEFAULT_COST_CURVES.get(quant, DEFAULT_COST_CURVES["none"]))
 
+    def floored(self, min_tokens: int) -> "CostCurve":
+        """The curve when every call scores at least min_tokens (the runtime pads shorter calls),
+        relative to such a padded single-token decode."""
+        if min_tokens <= 1:
+            return self
+        base = self(min_tokens)
+        points = [(1, 1.0)] + [(int(n), c / base) for n, c in zip(self.n, self.c) if n > min_tokens]
+        return CostCurve(points + [(min_tokens, 1.0)])
+
     def __call__(self, n: int) -> float:
         if n <= self.n[-1]:
             return float(np.interp(n, self.n, self.c))

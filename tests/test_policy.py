@@ -83,3 +83,14 @@ def test_tune_writes_costs_that_generate_uses(tmp_path):
     assert gen.generate_ids([1, 2, 3], max_new_tokens=12, adaptive=True, num_candidates=1).token_ids == plain
     bad = subprocess.run(CLI + ["tune", "--bundle", str(bundle), "--repeats", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--repeats" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_cost_curve_floored_for_padded_calls():
+    from spectr_edge.policy import CostCurve
+
+    curve = CostCurve([(1, 1.0), (2, 1.25), (4, 2.0), (8, 3.5)])
+    assert curve.floored(1) is curve
+    padded = curve.floored(2)          # a 1-token call costs what a 2-token call costs: the new unit
+    assert padded(1) == padded(2) == 1.0
+    assert padded(4) == pytest.approx(2.0 / 1.25) and padded(8) == pytest.approx(3.5 / 1.25)
+    assert padded(16) == pytest.approx((3.5 + 8 * 0.375) / 1.25)      # extrapolated like the original

@@ -100,7 +100,8 @@ def test_upgrade_rewrites_graphs_and_manifest(upgraded):
     for role, entry in manifest["models"].items():
         assert entry["tree_mask"] == "tree_attention_mask"
         assert entry["inputs"]["attention_mask"] is None
-        assert entry["file"] == f"{role}/model.tree.onnx"
+        assert entry["file"] == f"{role}/model.gqa.onnx"
+        assert entry["attention"] == "gqa"                      # fused GroupQueryAttention
         assert not (upgraded / role / "model.onnx").exists()    # the old graph is gone
 
 
@@ -110,6 +111,7 @@ def test_upgraded_bundle_decodes_like_the_original(tiny_bundle, upgraded):
     before = spectr_edge.load(tiny_bundle, provider="cpu")
     after = spectr_edge.load(upgraded, provider="cpu")
     assert after.target.takes_tree and not before.target.takes_tree
+    assert after.target.in_place and not before.target.in_place    # cache buffers updated in place
     prompt = [5, 6, 7, 8, 9]
     plain = before.generate_ids(prompt, max_new_tokens=32, temperature=0, num_candidates=0).token_ids
     for k, L in ((0, 1), (1, 3), (2, 3), (4, 3)):     # k > 1: the greedy chain + k - 1 leaves per depth
