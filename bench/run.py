@@ -4,6 +4,7 @@
     .venv/bin/python bench/run.py --suite default --quick                 # a few minutes, for development
     .venv/bin/python bench/run.py --suite peers                           # spectr-edge vs ORT GenAI, HF, llama.cpp
     .venv/bin/python bench/run.py --suite adaptive                        # length rules, float32 and int4 targets
+    .venv/bin/python bench/run.py --suite cpu                             # issue 6's bars: int4 per category vs peers
 
 Every method runs in a worker process (bench/workers/), one worker per tool configuration
 that needs its own loaded models, so peers run in their own environments and each
@@ -170,12 +171,34 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
     if name == "adaptive":  # issue 6: length rules on the float32 and int4 targets (tune both bundles first)
         q = lambda m: {**on_bundle(m, other_bundle or str(INT4_BUNDLE), "int4 target"),  # noqa: E731
                        "own_baseline": None if m["baseline"] else "spectr-edge T=0 target-only [int4 target]"}
-        def adaptive(L, stop=0.0):
-            return {**spectr(0.0, 1, L, label=f"adaptive L<={L}" + (f" stop {stop:g}" if stop else "")),
-                    "config": {"temperature": 0.0, "k": 1, "L": L, "stop": stop, "adaptive": True}}
+        adaptive = adaptive_method
         return [spectr(0.0, 0), spectr_default(0.0), adaptive(6, 0.5),
                 q(spectr(0.0, 0)), q(adaptive(6)), q(adaptive(6, 0.5)), q(lookup(0.0, "lookup"))]
-    raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers or adaptive")
+    if name == "cpu":       # issue 6's bars: int4 target per category, against ORT GenAI and llama.cpp, greedy
+        return cpu_suite(other_bundle)
+    raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive or cpu")
+
+
+def adaptive_method(L: int, stop: float = 0.0) -> dict:
+    return {**spectr(0.0, 1, L, label=f"adaptive L<={L}" + (f" stop {stop:g}" if stop else "")),
+            "config": {"temperature": 0.0, "k": 1, "L": L, "stop": stop, "adaptive": True}}
+
+
+def cpu_suite(int4_bundle: str | None = None) -> list[dict]:
+    """Greedy, one group: the int4-target twin's drafters (each paired with that twin's own
+    target-only), ORT GenAI's int4 target alone and with its draft, llama.cpp's Q4 decode, and
+    the float32 bundle's target-only, default and tree rows. Fused attention and in-place cache
+    buffers on both bundles (export --add-tree-mask); tune both first (spectr-edge tune)."""
+    q = lambda m: {**on_bundle(m, int4_bundle or str(INT4_BUNDLE), "int4 target"),  # noqa: E731
+                   "own_baseline": None if m["baseline"] else "spectr-edge T=0 target-only [int4 target]"}
+    og, og_d = "ortgenai:qwen1.5b-int4", "ortgenai:qwen1.5b-int4+qwen0.5b-int4"
+    return [q(spectr(0.0, 0)), q(lookup(0.0, "lookup")), q(lookup(0.0, "model+lookup")), q(spectr(0.0, 1, 3)),
+            q(adaptive_method(6)),
+            peer("ortgenai", og, "int4 target-only", 0.0),
+            peer("ortgenai", og_d, "int4 + int4 draft, 4 tokens", 0.0, {"speculative": "draft", "max_draft_tokens": 4},
+                 own="int4 target-only"),
+            peer("llama.cpp", "llamacpp", "Q4 target-only", 0.0),
+            spectr(0.0, 0), spectr_default(0.0), spectr(0.0, 3, 4), lookup(0.0, "model+lookup")]
 
 
 GGUF = Path(os.environ.get("SPECTR_GGUF_DIR", "~/.cache/spectr-edge/gguf")).expanduser()
@@ -343,7 +366,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     methods = suite(args.suite, args.all_configs, args.tree_bundle)
     subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1", "peers": "stratified-1",
-                               "adaptive": "stratified-1"}.get(
+                               "adaptive": "stratified-1", "cpu": "stratified-2"}.get(
         args.suite, "stratified-4")
     if args.quick:
         subset, args.max_new_tokens = (args.prompts or "stratified-1"), 32
