@@ -63,12 +63,16 @@ def main():
 @click.option("--adaptive/--fixed-length", default=None,
               help="k=1: choose each step's draft length (0 = a plain step) from this generation's acceptance and "
                    "the target's cost curve (lossless; `spectr-edge tune` measures the curve).")
+@click.option("--tree-budget", type=int, default=None,
+              help="Greedy: draft a tree of this many nodes (grown by draft path probability, depth <= -L) and "
+                   "verify it in one call (0 = off; needs tree masks).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print timing and speculation stats to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) instead of streaming.")
 def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, chat, stop, provider,
-             draft_provider, threads, num_candidates, draft_len, draft_stop, no_draft, drafter, adaptive, show_stats, as_json):
+             draft_provider, threads, num_candidates, draft_len, draft_stop, no_draft, drafter, adaptive, tree_budget,
+             show_stats, as_json):
     """Generate a completion of PROMPT ('-' reads it from stdin)."""
-    from .generator import GenerationResult, load
+    from .generator import GenerationResult
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -78,8 +82,14 @@ def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, ch
         num_candidates = 0
     if num_candidates is not None and num_candidates < 0:
         raise click.BadParameter("must be >= 0", param_hint="--num-candidates")
-    gen = load(bundle, provider=provider, draft_provider=draft_provider, threads=threads,
-               load_draft=num_candidates != 0 and drafter != "lookup")
+    from .bundle import read_bundle
+    from .generator import Generator, tuned_options
+
+    b = read_bundle(bundle)
+    tuned = tuned_options(b, temperature) if num_candidates is None and drafter is None else {}
+    needs_draft = (num_candidates != 0 and drafter != "lookup"
+                   and not (tuned and (tuned.get("drafter") == "lookup" or tuned.get("num_candidates") == 0)))
+    gen = Generator(b, provider=provider, draft_provider=draft_provider, threads=threads, load_draft=needs_draft)
     if num_candidates and num_candidates > 1 and temperature == 0:
         if gen.target.takes_tree:
             click.echo(f"note: at temperature 0 with a tree target, k={num_candidates} drafts one greedy chain "
@@ -90,7 +100,7 @@ def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, ch
                        "identical; drafting one (a bundle with tree masks uses k as branches per depth)", err=True)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, chat=chat, stop=stop, num_candidates=num_candidates, draft_len=draft_len,
-                   draft_stop=draft_stop, drafter=drafter, adaptive=adaptive)
+                   draft_stop=draft_stop, drafter=drafter, adaptive=adaptive, tree_budget=tree_budget)
     result = GenerationResult("", [])
     if as_json:
         result = gen.generate(prompt, **options)
@@ -128,7 +138,9 @@ def info(bundle):
         click.echo(f"  {spec.num_layers} layers, {spec.num_kv_heads} kv heads x {spec.head_dim}, "
                    f"{spec.dtype}, quant {spec.quant}, context {spec.context_length}, "
                    f"logits width {spec.logits_width}, files {_size(spec.file)}")
-        click.echo(f"  tree verification: {'yes' if spec.tree_mask else 'no (spectr-edge export --add-tree-mask)'}")
+        click.echo(f"  tree verification: {'yes' if spec.tree_mask else 'no (spectr-edge export --add-tree-mask)'}"
+                   f"; attention: {'fused, cache updated in place' if spec.attention == 'gqa' else 'unfused'}"
+                   + (f"; every call scores >= {spec.min_call_tokens} tokens" if spec.min_call_tokens > 1 else ""))
     t = b.tokenizer
     click.echo(f"tokenizer: {t.vocab_size} tokens, eos ids {list(t.eos_token_ids)}, "
                f"chat template {'yes' if t.chat_template else 'no'}")
@@ -139,6 +151,9 @@ def info(bundle):
         click.echo(f"tuned {tuned.get('date')} on {tuned.get('provider')}: scoring 4 / 8 tokens costs "
                    f"{curve.get(4, float('nan')):.2f}x / {curve.get(8, float('nan')):.2f}x a decode step"
                    + (f", a draft token {draft_cost:.3f}x" if draft_cost is not None else ""))
+        for regime, c in (tuned.get("choice") or {}).items():
+            click.echo(f"  default when {'greedy' if regime == 'greedy' else 'sampling'}: {c['policy']} "
+                       f"(predicted {c['predicted_speedup']:.2f}x target-only)")
     else:
         click.echo("tuned: no (spectr-edge tune measures this machine's costs; defaults are used meanwhile)")
     click.echo(f"providers on this machine: {', '.join(available_providers())}")
@@ -150,24 +165,38 @@ def info(bundle):
 @click.option("--threads", type=int, default=None, help="Intra-op threads, as you will run generate.")
 @click.option("--repeats", type=int, default=5, show_default=True, help="Timed calls per size (median).")
 @click.option("--dry-run", is_flag=True, help="Measure and explain, but leave the manifest unchanged.")
-def tune(bundle, provider, threads, repeats, dry_run):
-    """Measure this machine's verification and draft costs and store them in the bundle."""
+@click.option("--no-choose", is_flag=True, help="Only measure costs; do not choose decoding defaults.")
+@click.option("--calibration-tokens", type=int, default=None,
+              help="Tokens generated per calibration prompt and candidate policy [default: 48].")
+def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tokens):
+    """Measure this machine's costs, choose the decoding defaults, store both in the bundle."""
     from .generator import load
     from . import tune as tuning
 
     if repeats < 1:
         raise click.BadParameter("must be >= 1", param_hint="--repeats")
+    if calibration_tokens is not None and calibration_tokens < 8:
+        raise click.BadParameter("must be >= 8", param_hint="--calibration-tokens")
     gen = load(bundle, provider=provider, threads=threads)
-    click.echo(f"tuning {gen.bundle.path} on {gen.target.provider} (about a minute for a 1.5B float32 target)")
+    click.echo(f"tuning {gen.bundle.path} on {gen.target.provider} (a few minutes for a 1.5B float32 target)")
     result = tuning.measure(gen, repeats=repeats, progress=click.echo)
     for line in tuning.explain(result, gen.bundle):
         click.echo(line)
+    choice = None
+    if not no_choose:
+        tuning.apply(gen, result)
+        click.echo("choosing the decoding defaults: every candidate generates the calibration prompts "
+                   "(predicted = tokens per unit of predicted time over target-only decoding)")
+        try:
+            choice = tuning.choose(gen, calibration_tokens or tuning.CALIBRATION_TOKENS, progress=click.echo)
+        except ValueError as err:
+            click.echo(f"not choosing defaults: {err}")
     if dry_run:
         click.echo("dry run: manifest unchanged")
         return
-    tuning.write(gen.bundle.path, result, gen.target.provider, threads)
-    click.echo(f"wrote the cost curve{' and draft cost' if 'decode_cost' in result else ''} to "
-               f"{gen.bundle.path / 'spectr.json'}; generate --adaptive and --draft lookup use them")
+    tuning.write(gen.bundle.path, result, gen.target.provider, threads, choice)
+    click.echo(f"wrote the cost curve{' and draft costs' if 'decode_cost' in result else ''}"
+               + (" and the chosen defaults" if choice else "") + f" to {gen.bundle.path / 'spectr.json'}")
 
 
 @main.command()

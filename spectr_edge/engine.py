@@ -37,21 +37,29 @@ class DecodeRequest:
     lookup_len: int = 8          # the most tokens a prompt-lookup step verifies
     lookup_ngram: tuple[int, int] = (1, 3)   # (min, max) n-gram size matched by prompt lookup
     adaptive: bool = False       # k = 1: choose each step's draft length (0 = plain step) by policy.AdaptiveLength
+    tree_budget: int = 0         # greedy: draft a dynamic tree of this many nodes (OPT-Tree style), depth <= draft_len
 
 
 class Engine:
     """Target-only and speculative decoding over one target and an optional draft."""
 
     def __init__(self, target: OnnxLM, draft: OnnxLM | None, vocab_size: int, cost: CostCurve | None = None,
-                 draft_cost: float = 0.15):
+                 draft_cost: float = 0.15, draft_rows: CostCurve | None = None):
         self.target, self.draft, self.vocab_size = target, draft, vocab_size
         self.cost = (cost or CostCurve.for_quant(target.spec.quant)).floored(target.spec.min_call_tokens)
         self.draft_cost = draft_cost      # one drafted token, in target single-token decodes
+        # a draft call over k rows, relative to one row (MatMulNBits cost grows with rows like with tokens)
+        self.draft_rows = draft_rows or CostCurve.for_quant(draft.spec.quant if draft is not None else "none")
         self.context_length = target.spec.context_length
         if draft is not None:
             self.context_length = min(self.context_length, draft.spec.context_length)
 
     # -- one token from one row of logits, exactly as plain sampling does it ---------------------
+    def _charge(self, stats: GenerationStats, scored: int) -> None:
+        """Count one decode-phase target call scoring `scored` tokens, and its predicted cost."""
+        stats.target_calls += 1
+        stats.cost_units += self.cost(scored)
+
     def _choose(self, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:
         if sampling.greedy:
             return int(greedy_token(logits, self.vocab_size))
@@ -91,7 +99,7 @@ class Engine:
         yield [ids[-1]]
         while len(ids) < self.context_length:
             logits = self.target.forward(np.asarray([[ids[-1]]], dtype=np.int64), cache)  # [1, 1, W]
-            stats.target_calls += 1
+            self._charge(stats, 1)
             t0 = time.perf_counter()
             ids.append(self._choose(logits[0, -1], req.sampling, rng))
             stats.seconds_select += time.perf_counter() - t0
@@ -103,6 +111,8 @@ class Engine:
         # a greedy draft is deterministic: k candidates would all be the same row. With a tree
         # target, k > 1 at temperature 0 means k branches per depth: the chain + k - 1 leaves.
         greedy_tree = use_model and req.sampling.greedy and req.num_candidates > 1 and self.target.takes_tree
+        dynamic_tree = (use_model and req.sampling.greedy and req.tree_budget > 0 and self.target.takes_tree
+                        and self.draft.takes_tree)
         num_candidates = 1 if req.sampling.greedy and not greedy_tree else req.num_candidates
         lookup = None
         if req.drafter != "model":
@@ -134,6 +144,9 @@ class Engine:
                 lookup.update(ngram, len(proposal), len(tokens) - 1)
             elif draft_len < 1 or not use_model:
                 tokens = self._plain_step(ids, t_cache, req, rng, stats)
+            elif dynamic_tree:
+                tokens, draft_seen = self._dynamic_tree_step(ids, t_cache, d_cache, draft_seen, req.tree_budget,
+                                                             draft_len, stats)
             elif greedy_tree:
                 tokens, draft_seen = self._greedy_tree_step(ids, t_cache, d_cache, draft_seen, num_candidates,
                                                             draft_len, req, rng, stats)
@@ -153,7 +166,7 @@ class Engine:
         from q without x), and a bonus token from q when every position was accepted."""
         x = np.asarray([[ids[-1]] + list(draft)], dtype=np.int64)              # [1, L+1]
         logits = self.target.forward(x, t_cache)[0]                             # [L+1, W]
-        stats.target_calls += 1
+        self._charge(stats, x.shape[1])
         stats.steps += 1
         stats.lookup_steps += 1
         stats.scored += x.shape[1]
@@ -181,7 +194,7 @@ class Engine:
 
     def _plain_step(self, ids, t_cache, req, rng, stats) -> list[int]:
         logits = self.target.forward(np.asarray([[ids[-1]]], dtype=np.int64), t_cache)
-        stats.target_calls += 1
+        self._charge(stats, 1)
         t0 = time.perf_counter()
         tok = self._choose(logits[0, -1], req.sampling, rng)
         stats.seconds_select += time.perf_counter() - t0
@@ -225,6 +238,7 @@ class Engine:
                 probs = probs[:, :j + 1] if probs is not None else None
                 break
         stats.draft_calls += tokens.shape[1]
+        stats.cost_units += self.draft_cost * (1 + (tokens.shape[1] - 1) * self.draft_rows(num_candidates))
         if alternatives:
             return tokens, probs, alts[:tokens.shape[1]]
         return tokens, probs
@@ -242,7 +256,7 @@ class Engine:
         trie = TokenTrie(ids[-1], rows)
         past = len(ids) - 1
         node_logits = self.target.forward(trie.tokens[None], t_cache, trie.ancestors, trie.depth)[0]  # [N, W]
-        stats.target_calls += 1
+        self._charge(stats, len(trie.tokens))
         stats.steps += 1
         stats.scored += len(trie.tokens)
         t0 = time.perf_counter()
@@ -257,6 +271,55 @@ class Engine:
         draft_seen = len(ids) + min(on_chain, draft_len - 1)
         d_cache.crop(draft_seen)
         return tokens, draft_seen
+
+    def _dynamic_tree_step(self, ids, t_cache, d_cache, draft_seen, budget, max_depth, stats):
+        """Greedy with a tree target and a tree draft: grow a draft tree of `budget` nodes, one
+        draft call per depth over the newest nodes (OPT-Tree: the tree keeps the `budget` nodes
+        with the highest draft path probability), verify all of it in one target call by the
+        exact greedy walk, and keep the accepted path in both caches."""
+        tree = DraftTree(ids[-1], budget)
+        logits = self.draft.forward(np.asarray([ids[draft_seen:]], dtype=np.int64), d_cache)[0, -1:]  # [1, W]
+        draft_calls = 1
+        base = d_cache.length                       # the draft cache now holds every id
+        frontier = [0]
+        for depth in range(1, max_depth + 1):
+            t0 = time.perf_counter()
+            new = tree.grow(frontier, logits[:, :self.vocab_size])
+            stats.seconds_select += time.perf_counter() - t0
+            if not new or depth == max_depth:
+                break
+            # the newest nodes see the ids and their own fed ancestors, not the other branches
+            past = d_cache.length
+            past_mask = np.zeros((len(new), past), dtype=bool)
+            past_mask[:, :base] = True
+            for i, node in enumerate(new):
+                for a in tree.ancestors_of(node):
+                    if tree.fed[a] is not None:
+                        past_mask[i, tree.fed[a]] = True
+            positions = np.asarray([base - 1 + tree.depth[n] for n in new], dtype=np.int64)
+            logits = self.draft.forward(np.asarray([[tree.tokens[n] for n in new]], dtype=np.int64), d_cache,
+                                        np.eye(len(new), dtype=bool), positions - past, past_mask)[0]
+            for i, node in enumerate(new):
+                tree.fed[node] = past + i
+            draft_calls += 1
+            frontier = new
+        stats.draft_calls += draft_calls
+        stats.cost_units += self.draft_cost * draft_calls
+        trie = TokenTrie(ids[-1], tree.rows())
+        past = len(ids) - 1
+        node_logits = self.target.forward(trie.tokens[None], t_cache, trie.ancestors, trie.depth)[0]  # [N, W]
+        self._charge(stats, len(trie.tokens))
+        stats.steps += 1
+        stats.scored += len(trie.tokens)
+        t0 = time.perf_counter()
+        tokens, path = trie.greedy_walk(node_logits, self.vocab_size)
+        stats.seconds_select += time.perf_counter() - t0
+        accepted = len(tokens) - 1
+        _record_step(stats, int(trie.depth.max()), accepted)
+        t_cache.gather(past, past + np.asarray(path))
+        kept = tree.fed_path(tokens[:accepted])      # draft-cache positions of the accepted nodes it has seen
+        d_cache.gather(base, np.asarray(kept, dtype=np.int64))
+        return tokens, base + len(kept)
 
     def _spec_step(self, ids, t_cache, d_cache, draft_seen, num_candidates, draft_len, req, rng, stats):
         sampling = req.sampling
@@ -280,7 +343,7 @@ class Engine:
             last = np.full((len(rows), 1), ids[-1], dtype=np.int64)
             target_logits = self.target.forward(np.concatenate([last, rows], axis=1), t_cache)  # [u, L+1, W]
             stats.scored += rows.size + len(rows)
-        stats.target_calls += 1
+        self._charge(stats, len(trie.tokens) if trie is not None else rows.size + len(rows))
         stats.steps += 1
         # 3. select
         t0 = time.perf_counter()
@@ -299,6 +362,88 @@ class Engine:
         d_cache.keep_row(survivor)
         d_cache.crop(draft_seen)
         return tokens, draft_seen
+
+
+class DraftTree:
+    """A greedy draft tree grown by path probability (OPT-Tree, SPECTR.md section 6).
+
+    Node 0 is the last committed token. `grow` adds, below the frontier nodes, their draft's
+    top children, then keeps the `budget` nodes (root excluded) with the highest path
+    log-probability; a child's path probability never exceeds its parent's, so the kept set is
+    a tree (ties are closed over explicitly). fed[node] = the node's draft-cache position once
+    the draft has scored it.
+    """
+
+    WIDTH = 4            # children considered per frontier node
+
+    def __init__(self, root_token: int, budget: int):
+        self.budget = budget
+        self.tokens, self.parent, self.depth, self.logp = [int(root_token)], [-1], [0], [0.0]
+        self.fed: list[int | None] = [None]
+        self.kept: set[int] = set()
+        self.children: dict[tuple[int, int], int] = {}
+
+    def grow(self, frontier: list[int], logits: np.ndarray) -> list[int]:
+        """logits # [len(frontier), V] from the draft at the frontier; returns the new kept nodes."""
+        width = min(self.WIDTH, self.budget, logits.shape[-1])
+        top = np.argpartition(-logits, width - 1, axis=-1)[:, :width]                       # [f, width]
+        z = logits.max(-1, keepdims=True)
+        lse = (z + np.log(np.exp(logits - z).sum(-1, keepdims=True)))[:, 0]                  # [f]
+        pool = [(self.logp[n], n, None) for n in self.kept]
+        for fi, node in enumerate(frontier):
+            for t in top[fi]:
+                pool.append((self.logp[node] + float(logits[fi, t] - lse[fi]), node, int(t)))
+        pool.sort(key=lambda e: -e[0])
+        keep = pool[:self.budget]
+        new = []
+        self.kept = {n for _, n, t in keep if t is None}
+        for lp, parent, tok in keep:
+            if tok is None:
+                continue
+            node = len(self.tokens)
+            self.tokens.append(tok)
+            self.parent.append(parent)
+            self.depth.append(self.depth[parent] + 1)
+            self.logp.append(lp)
+            self.fed.append(None)
+            self.children[(parent, tok)] = node
+            self.kept.add(node)
+            new.append(node)
+        # close over ties: a node whose parent fell out goes too
+        for node in sorted(self.kept):
+            if self.parent[node] != 0 and self.parent[node] not in self.kept:
+                self.kept.discard(node)
+        return [n for n in new if n in self.kept]
+
+    def ancestors_of(self, node: int) -> list[int]:
+        out = []
+        node = self.parent[node]
+        while node > 0:
+            out.append(node)
+            node = self.parent[node]
+        return out
+
+    def rows(self) -> list[list[int]]:
+        """Root-to-leaf token paths of the kept tree (the root itself excluded)."""
+        inner = {self.parent[n] for n in self.kept}
+        rows = []
+        for leaf in sorted(n for n in self.kept if n not in inner):
+            path, node = [], leaf
+            while node > 0:
+                path.append(self.tokens[node])
+                node = self.parent[node]
+            rows.append(path[::-1])
+        return rows or [[]]
+
+    def fed_path(self, tokens) -> list[int]:
+        """Draft-cache positions along the path of `tokens` from the root, up to the first node not fed."""
+        node, out = 0, []
+        for tok in tokens:
+            node = self.children.get((node, int(tok)))
+            if node is None or self.fed[node] is None:
+                break
+            out.append(self.fed[node])
+        return out
 
 
 class TokenTrie:

@@ -39,6 +39,16 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
+TUNED_KEYS = ("drafter", "num_candidates", "draft_len", "draft_stop", "adaptive", "tree_budget")
+
+
+def tuned_options(bundle: Bundle, temperature: float) -> dict:
+    """The decoding options `spectr-edge tune` chose for this bundle and regime (greedy when
+    temperature is 0, else sampling), or {} when it has not chosen (see tune.py)."""
+    chosen = (bundle.manifest.get("defaults") or {}).get("greedy" if temperature == 0 else "sampling") or {}
+    return {k: chosen[k] for k in TUNED_KEYS if k in chosen}
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise InputError(message)
@@ -57,12 +67,15 @@ class Generator:
             self.draft = OnnxLM(bundle.draft, draft_provider or provider, threads, spinning=False)
         target_entry = bundle.manifest["models"]["target"]
         cost = CostCurve.for_quant(bundle.target.quant, target_entry.get("cost_curve"))
-        draft_cost = None
+        draft_cost, draft_rows = None, None
         if bundle.draft is not None:
-            draft_cost = bundle.manifest["models"]["draft"].get("decode_cost")   # measured by `tune`
+            draft_entry = bundle.manifest["models"]["draft"]
+            draft_cost = draft_entry.get("decode_cost")   # measured by `tune`
             if draft_cost is None:
                 draft_cost = default_draft_cost(bundle.target.size_bytes, bundle.draft.size_bytes)
-        self.engine = Engine(self.target, self.draft, bundle.tokenizer.vocab_size, cost, draft_cost or 0.15)
+            draft_rows = CostCurve.for_quant(bundle.draft.quant, draft_entry.get("decode_rows_curve"))
+        self.engine = Engine(self.target, self.draft, bundle.tokenizer.vocab_size, cost, draft_cost or 0.15,
+                             draft_rows)
 
     # -- the three entry points ---------------------------------------------------------------
     def generate(self, prompt: str, **options) -> GenerationResult:
@@ -83,14 +96,14 @@ class Generator:
                      seed: int | None = None, rng: np.random.Generator | None = None,
                      num_candidates: int | None = None, draft_len: int | None = None,
                      draft_stop: float | None = None, drafter: str | None = None,
-                     adaptive: bool | None = None) -> GenerationResult:
+                     adaptive: bool | None = None, tree_budget: int | None = None) -> GenerationResult:
         """Generate from raw token ids (no chat template, no stop strings); text is decoded for convenience."""
         result = GenerationResult("", [])
         prompt_ids = [int(i) for i in prompt_ids]
         for tokens in self._run(prompt_ids, result.stats, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rng=rng,
                                 num_candidates=num_candidates, draft_len=draft_len, draft_stop=draft_stop,
-                                drafter=drafter, adaptive=adaptive):
+                                drafter=drafter, adaptive=adaptive, tree_budget=tree_budget):
             result.token_ids.extend(tokens)
         result.text = self.codec.decode(result.token_ids)
         return result
@@ -120,7 +133,8 @@ class Generator:
             yield piece
 
     def _request(self, prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                 num_candidates, draft_len, draft_stop, drafter=None, adaptive=None) -> DecodeRequest:
+                 num_candidates, draft_len, draft_stop, drafter=None, adaptive=None,
+                 tree_budget=None) -> DecodeRequest:
         _check(len(prompt_ids) > 0, "the prompt is empty; pass at least one token")
         _check(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
                f"max_new_tokens must be an integer >= 1 (got {max_new_tokens})")
@@ -131,6 +145,19 @@ class Generator:
         default_k, default_len, default_stop = DEFAULT_GREEDY if temperature == 0 else DEFAULT_SAMPLING
         _check(drafter is None or drafter in DRAFTERS,
                f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+        tuned = tuned_options(self.bundle, temperature)
+        tuned_drafter = tuned.get("drafter", "model")
+        if tuned and num_candidates != 0 and (drafter in (None, tuned_drafter)) and (
+                tuned_drafter == "lookup" or not tuned.get("num_candidates") or self.draft is not None):
+            # each option the caller left unset takes the tuned value; another drafter ignores them
+            drafter = tuned_drafter if drafter is None and tuned.get("num_candidates", 1) else drafter
+            num_candidates = tuned.get("num_candidates") if num_candidates is None else num_candidates
+            if draft_len is None and "draft_len" in tuned and drafter != "lookup":
+                draft_len = tuned["draft_len"]
+            draft_stop = tuned.get("draft_stop") if draft_stop is None else draft_stop
+            adaptive = tuned.get("adaptive") if adaptive is None else adaptive
+            if tree_budget is None and temperature == 0:
+                tree_budget = tuned.get("tree_budget")
         if drafter == "lookup":         # prompt lookup alone: no draft model, one candidate, its own length
             _check(num_candidates in (None, 1), f"prompt lookup drafts one candidate (got num_candidates="
                    f"{num_candidates}); leave -k unset or use --draft model")
@@ -146,6 +173,17 @@ class Generator:
         _check(isinstance(draft_len, int) and draft_len >= 1, f"draft_len must be an integer >= 1 (got {draft_len})")
         draft_stop = default_stop if draft_stop is None else draft_stop
         _check(0 <= draft_stop < 1, f"draft_stop must be in [0, 1) (got {draft_stop}); 0 turns it off")
+        tree_budget = 0 if tree_budget is None else tree_budget
+        _check(isinstance(tree_budget, int) and tree_budget >= 0,
+               f"tree_budget must be an integer >= 0 (got {tree_budget}); 0 turns the dynamic tree off")
+        if tree_budget:
+            _check(temperature == 0, "the dynamic draft tree (tree_budget) is for greedy decoding; at temperature "
+                   "> 0 use num_candidates (SpecTr) instead")
+            _check(self.draft is not None and drafter in (None, "model") and num_candidates != 0,
+                   "the dynamic draft tree (tree_budget) drafts with the draft model; drop --draft lookup/--no-draft")
+            _check(self.target.takes_tree and self.draft.takes_tree,
+                   "the dynamic draft tree needs a bundle whose graphs take a tree mask; run "
+                   "spectr-edge export --add-tree-mask --out BUNDLE")
         vocab = self.bundle.tokenizer.vocab_size
         bad = [i for i in prompt_ids if not 0 <= i < vocab]
         _check(not bad, f"prompt token id {bad[:1]} is outside the vocabulary [0, {vocab})")
@@ -159,13 +197,14 @@ class Generator:
                              draft_len if drafter == "lookup" else max(draft_len, DEFAULT_LOOKUP_LEN),
                              # with the model to fall back on, a one-token match is too weak a signal
                              (1, 3) if drafter == "lookup" else (2, 3),
-                             DEFAULT_ADAPTIVE if adaptive is None else bool(adaptive))
+                             DEFAULT_ADAPTIVE if adaptive is None else bool(adaptive), tree_budget)
 
     def _run(self, prompt_ids, stats: GenerationStats, *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
              temperature=0.0, top_k=0, top_p=1.0, seed=None, rng=None, num_candidates=None,
-             draft_len=None, draft_stop=None, drafter=None, adaptive=None) -> Iterator[list[int]]:
+             draft_len=None, draft_stop=None, drafter=None, adaptive=None,
+             tree_budget=None) -> Iterator[list[int]]:
         req = self._request(prompt_ids, max_new_tokens, temperature, top_k, top_p, num_candidates, draft_len,
-                            draft_stop, drafter, adaptive)
+                            draft_stop, drafter, adaptive, tree_budget)
         rng = rng if rng is not None else np.random.default_rng(seed)
         stats.prompt_tokens = len(prompt_ids)
         models = [m for m in (self.target, self.draft) if m is not None]

@@ -127,19 +127,22 @@ class OnnxLM:
         return bool(self.spec.tree_mask) and self.spec.position_ids is not None
 
     def forward(self, input_ids: np.ndarray, cache: KVCache, tree: np.ndarray | None = None,
-                depth: np.ndarray | None = None) -> np.ndarray:
+                depth: np.ndarray | None = None, past_mask: np.ndarray | None = None) -> np.ndarray:
         """Score `input_ids` # [batch, new] after the cache; returns logits # [batch, new, logits_width].
 
         The cache must have the same batch; it is replaced by the call's `present` (past + new positions).
         tree # [new, new] bool (batch 1, graphs with a tree mask only): tree[i, j] = new token i
-        attends to new token j (its ancestors and itself); depth # [new]: position = past + depth.
+        attends to new token j (its ancestors and itself); depth # [new]: position = past + depth
+        (may be negative: a draft tree's nodes sit after other branches in the cache).
+        past_mask # [new, past] bool: which cached positions each new token sees (default: all;
+        a tree drafted over several calls hides the other branches' cached nodes).
         Without a tree the new tokens are causal, as in plain decoding.
         """
         spec = self.spec
         batch, new = input_ids.shape
         pad = spec.min_call_tokens - new if batch == 1 else 0
         if pad > 0:
-            return self._forward_padded(input_ids, cache, tree, depth, pad)
+            return self._forward_padded(input_ids, cache, tree, depth, pad, past_mask)
         past = cache.length
         feeds = {spec.input_ids: np.ascontiguousarray(input_ids, dtype=np.int64)}
         if spec.tree_mask:
@@ -147,8 +150,10 @@ class OnnxLM:
                 tree = np.tri(new, dtype=bool)                                  # causal
             mask = np.ones((batch, 1, new, past + new), dtype=bool)             # [batch, 1, new, past + new]
             mask[:, 0, :, past:] = tree
+            if past_mask is not None:
+                mask[:, 0, :, :past] = past_mask
             feeds[spec.tree_mask] = mask
-        elif tree is not None:
+        elif tree is not None or past_mask is not None:
             raise ValueError("this graph takes no tree mask; export it with one to verify a token tree")
         if spec.attention_mask:
             feeds[spec.attention_mask] = np.ones((batch, past + new), dtype=np.int64)  # [batch, past + new]
@@ -167,7 +172,7 @@ class OnnxLM:
         cache.replace([(outputs[1 + 2 * i], outputs[2 + 2 * i]) for i in range(spec.num_layers)])
         return outputs[0]
 
-    def _forward_padded(self, input_ids, cache, tree, depth, pad: int) -> np.ndarray:
+    def _forward_padded(self, input_ids, cache, tree, depth, pad: int, past_mask=None) -> np.ndarray:
         """Score `new` tokens in a call of new + pad rows, then drop the padding's logits and cache.
 
         For graphs whose kernels take another path (other rounding) for a 1-token call than for
@@ -185,8 +190,10 @@ class OnnxLM:
             offsets = np.arange(new) if depth is None else np.asarray(depth)
             depth = np.concatenate([offsets, offsets[-1] + 1 + np.arange(pad)])
             tree = full
+        if past_mask is not None:
+            past_mask = np.concatenate([past_mask, np.ones((pad, past_mask.shape[1]), dtype=bool)])
         length = cache.length
-        logits = self.forward(ids, cache, tree, depth)
+        logits = self.forward(ids, cache, tree, depth, past_mask)
         cache.crop(length + new)
         return logits[:, :new]
 

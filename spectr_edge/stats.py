@@ -21,6 +21,8 @@ class GenerationStats:
     lookup_drafted: int = 0
     lookup_accepted: int = 0
     scored: int = 0                  # tokens the target scored in speculative steps (rows x (L+1), or trie nodes)
+    cost_units: float = 0.0          # predicted decode-phase cost, in target decode steps: the cost curve for
+                                     # every target call after the prefill, the draft cost for every draft call
     reached: list[int] = field(default_factory=list)       # steps that verified draft position j
     accepted_at: list[int] = field(default_factory=list)   # steps that accepted draft position j
     stop_reason: str = ""            # max_new_tokens | eos | stop | context
@@ -49,6 +51,12 @@ class GenerationStats:
         return (self.new_tokens - 1) / calls if calls > 0 else float(self.new_tokens > 0)
 
     @property
+    def predicted_speedup(self) -> float:
+        """Tokens per predicted unit of time over target-only decoding (1 token per decode step):
+        what `spectr-edge tune` compares; from counts and the cost model only, so it is repeatable."""
+        return (self.new_tokens - 1) / self.cost_units if self.cost_units > 0 else 1.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds_total if self.seconds_total > 0 else 0.0
 
@@ -62,7 +70,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         for name in ("seconds_other", "acceptance_rate", "acceptance_per_position",
-                     "tokens_per_target_call", "tokens_per_second", "ms_per_token"):
+                     "tokens_per_target_call", "predicted_speedup", "tokens_per_second", "ms_per_token"):
             d[name] = getattr(self, name)
         return d
 

@@ -11,6 +11,18 @@ per-step length rules (policy.AdaptiveLength for the draft model, lookup.PromptL
 lookup) read them; acceptance is not calibrated here but learnt per generation from its own
 verified steps, so no prompt set is needed and none of the benchmark prompts is used.
 
+Then it chooses the decoding defaults (`choose`): every candidate policy of the bundle (target
+only; the draft model at k = 1 with a few lengths, the adaptive length, the greedy tree with side
+leaves, SpecTr k > 1 at temperature 1; prompt lookup alone and before the model) generates the
+calibration prompts (spectr_edge/calibration.py, written for this, not benchmark prompts) with
+fixed seeds, and each is scored by its predicted speedup: tokens per unit of predicted time, the
+time being the measured cost curve for every target call plus the measured draft cost for every
+draft call (GenerationStats.cost_units), so acceptance comes from real generations and cost from
+this machine, and the choice is repeatable. The best of each regime (greedy, temperature > 0)
+goes into the manifest's "defaults"; `generate` uses it for options the user leaves unset.
+Target-only is always a candidate (predicted 1.00x), so a policy that would be slower is never
+chosen. Wall-clock ms/token of each candidate is printed beside the prediction as a check.
+
 The manifest is rewritten atomically (a temporary file, then os.replace); models are untouched.
 """
 
@@ -29,6 +41,8 @@ import numpy as np
 from .policy import CostCurve, default_draft_cost
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+DRAFT_ROWS = (1, 2, 4)  # candidate rows of one draft step (SpecTr k > 1 drafts k rows at once)
+CALIBRATION_TOKENS = 48
 CONTEXT = 128          # past tokens before the timed calls: a short chat prompt
 
 
@@ -66,6 +80,121 @@ def measure(gen, sizes=SIZES, repeats: int = 5, progress=print) -> dict:
         d = 1000 * _time_calls(gen.draft, past, 1, repeats, vocab, rng)
         out.update(draft_ms=d, decode_cost=round(d / ms[sizes[0]], 4))
         progress(f"draft decode step: {d:.1f} ms ({d / ms[sizes[0]]:.3f}x the target's)")
+        rows = {1: d}
+        for k in DRAFT_ROWS[1:]:
+            rows[k] = 1000 * _time_rows(gen.draft, past, k, repeats, vocab, rng)
+            progress(f"draft decode step, {k} candidate rows: {rows[k]:.1f} ms ({rows[k] / d:.2f}x one row)")
+        ratios = np.maximum.accumulate(np.maximum([rows[k] / d for k in DRAFT_ROWS], 1.0))
+        out["decode_rows_curve"] = [[k, round(float(r), 4)] for k, r in zip(DRAFT_ROWS, ratios)]
+    return out
+
+
+def _time_rows(model, cache_len: int, rows: int, repeats: int, vocab: int, rng) -> float:
+    """Median seconds of one draft step over `rows` candidate rows (one token each) after a past."""
+    times = []
+    for i in range(repeats + 1):
+        cache = model.new_cache()
+        model.forward(rng.integers(0, vocab, (1, cache_len)).astype(np.int64), cache)
+        cache.repeat_rows(rows)
+        ids = rng.integers(0, vocab, (rows, 1)).astype(np.int64)
+        started = time.perf_counter()
+        model.forward(ids, cache)
+        if i:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def candidates(gen) -> dict[str, list[dict]]:
+    """The policies `choose` compares, per regime; options as `generate` takes them."""
+    greedy: list[dict] = [{"num_candidates": 0}, {"drafter": "lookup"}]
+    sampling: list[dict] = [{"num_candidates": 0}, {"drafter": "lookup"}]
+    if gen.draft is not None:
+        model = lambda **kw: {"drafter": "model", "draft_stop": 0.0, "adaptive": False, **kw}  # noqa: E731
+        greedy += [model(num_candidates=1, draft_len=3), model(num_candidates=1, draft_len=6, draft_stop=0.5),
+                   model(num_candidates=1, draft_len=6, adaptive=True),
+                   {"drafter": "model+lookup", "num_candidates": 1, "draft_len": 6, "draft_stop": 0.5,
+                    "adaptive": False}]
+        if gen.target.takes_tree:
+            greedy += [model(num_candidates=2, draft_len=4), model(num_candidates=3, draft_len=4)]
+            if gen.draft.takes_tree:
+                greedy += [model(num_candidates=1, draft_len=6, tree_budget=b) for b in (8, 12, 16)]
+        sampling += [model(num_candidates=1, draft_len=L) for L in (2, 3, 4)]
+        sampling += [model(num_candidates=k, draft_len=L) for k, L in ((2, 2), (2, 3), (4, 2))]
+    return {"greedy": greedy, "sampling": sampling}
+
+
+def describe(options: dict) -> str:
+    if not options.get("num_candidates", 1):
+        return "target only"
+    drafter = options.get("drafter", "model")
+    if drafter == "lookup":
+        return "prompt lookup"
+    if options.get("tree_budget"):
+        return f"{drafter} tree of {options['tree_budget']} nodes, depth <= {options.get('draft_len')}"
+    text = f"{drafter} k={options.get('num_candidates', 1)} L={options.get('draft_len')}"
+    if options.get("draft_stop"):
+        text += f" stop {options['draft_stop']:g}"
+    if options.get("adaptive"):
+        text += " adaptive"
+    return text
+
+
+def choose(gen, tokens: int = CALIBRATION_TOKENS, prompts=None, progress=print) -> dict:
+    """Run every candidate on the calibration prompts; the best predicted speedup per regime.
+
+    Returns {"greedy": {"options", "predicted", "candidates": [...]}, "sampling": {...}}.
+    """
+    from .calibration import CALIBRATION_PROMPTS
+
+    prompts = prompts or CALIBRATION_PROMPTS
+    saved = gen.bundle.manifest.pop("defaults", None)      # candidates run with their own options only
+    try:
+        return _choose(gen, tokens, prompts, progress)
+    finally:
+        if saved is not None:
+            gen.bundle.manifest["defaults"] = saved
+
+
+def apply(gen, result: dict) -> None:
+    """Make the loaded generator predict costs with the just-measured curve and draft costs."""
+    gen.engine.cost = CostCurve(result["cost_curve"]).floored(gen.target.spec.min_call_tokens)
+    if "decode_cost" in result:
+        gen.engine.draft_cost = result["decode_cost"]
+        gen.engine.draft_rows = CostCurve(result["decode_rows_curve"])
+
+
+def _choose(gen, tokens, prompts, progress) -> dict:
+    ids = [list(p) if not isinstance(p, str) else gen.codec.encode_prompt(p, None) for p in prompts]
+    fits = [p for p in ids if len(p) + tokens < gen.engine.context_length]
+    if not fits:
+        raise ValueError(f"no calibration prompt fits the context ({gen.engine.context_length} tokens) "
+                         f"with {tokens} new tokens")
+    out = {}
+    for regime, temperature in (("greedy", 0.0), ("sampling", 1.0)):
+        rows = []
+        for options in candidates(gen)[regime]:
+            new = cost = seconds = calls = 0.0
+            for i, prompt in enumerate(fits):
+                r = gen.generate_ids(prompt, max_new_tokens=tokens, temperature=temperature, seed=1234 + i,
+                                     **options)
+                st = r.stats
+                if st.new_tokens < 2:
+                    continue
+                new += st.new_tokens - 1
+                cost += st.cost_units if options.get("num_candidates", 1) else st.new_tokens - 1
+                seconds += st.seconds_total - st.seconds_first_token
+                calls += st.target_calls - 1
+            predicted = new / cost if cost else 1.0
+            row = {"options": options, "policy": describe(options), "predicted": round(predicted, 3),
+                   "tokens_per_call": round(new / calls, 2) if calls else 1.0,
+                   "ms_per_token": round(1000 * seconds / new, 1) if new else None}
+            rows.append(row)
+            progress(f"  {regime:8s} {row['policy']:34s} predicted {row['predicted']:.2f}x, "
+                     f"{row['tokens_per_call']:.2f} tokens/call, measured {row['ms_per_token']} ms/token")
+        best = max(rows, key=lambda r: r["predicted"])
+        out[regime] = {"options": best["options"], "policy": best["policy"], "predicted": best["predicted"],
+                       "candidates": rows}
+        progress(f"{regime}: chose {best['policy']} (predicted {best['predicted']:.2f}x target-only decoding)")
     return out
 
 
@@ -90,18 +219,28 @@ def explain(result: dict, bundle) -> list[str]:
     return lines
 
 
-def write(bundle_path: Path, result: dict, provider: str, threads) -> None:
-    """Store the measurements in the manifest, atomically."""
+def write(bundle_path: Path, result: dict, provider: str, threads, choice: dict | None = None) -> None:
+    """Store the measurements (and the chosen defaults) in the manifest, atomically."""
     manifest_path = Path(bundle_path) / "spectr.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["models"]["target"]["cost_curve"] = result["cost_curve"]
     if "decode_cost" in result and "draft" in manifest["models"]:
         manifest["models"]["draft"]["decode_cost"] = result["decode_cost"]
+        manifest["models"]["draft"]["decode_rows_curve"] = result["decode_rows_curve"]
+    if choice:
+        manifest["defaults"] = {regime: c["options"] for regime, c in choice.items()}
     manifest["tuning"] = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "provider": provider,
                           "threads": threads or "onnxruntime default", "past_tokens": result["past"],
                           "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {platform.platform()}",
                           "target_ms": {str(n): round(v, 3) for n, v in result["target_ms"].items()},
-                          **({"draft_ms": round(result["draft_ms"], 3)} if "draft_ms" in result else {})}
+                          **({"draft_ms": round(result["draft_ms"], 3)} if "draft_ms" in result else {}),
+                          **({"choice": {regime: {"policy": c["policy"], "predicted_speedup": c["predicted"],
+                                                  "candidates": [{k: r[k] for k in ("policy", "predicted",
+                                                                                    "tokens_per_call", "ms_per_token")}
+                                                                 for r in c["candidates"]]}
+                                         for regime, c in choice.items()},
+                              "calibration": f"{CALIBRATION_TOKENS} tokens x spectr_edge/calibration.py prompts"}
+                             if choice else {})}
     tmp = manifest_path.with_name(f".spectr.json.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, manifest_path)

@@ -186,6 +186,6 @@ def test_int4_target_greedy_equality(tiny_int4):
     for prompt in ([5, 6, 7, 8, 9], [300, 12, 12, 40], list(range(40, 60))):
         plain = gen.generate_ids(prompt, max_new_tokens=40, temperature=0, num_candidates=0).token_ids
         for options in (dict(num_candidates=1, draft_len=3), dict(num_candidates=3, draft_len=2),
-                        dict(drafter="lookup"), dict(adaptive=True)):
+                        dict(drafter="lookup"), dict(adaptive=True), dict(tree_budget=6, draft_len=4)):
             got = gen.generate_ids(prompt, max_new_tokens=40, temperature=0, **options).token_ids
             assert got == plain, (prompt, options)

@@ -384,6 +384,60 @@ def test_tree_greedy_equals_target_only(tree_gen):
 
 
 
+def test_dynamic_tree_greedy_equals_target_only(tree_gen):
+    """Greedy with a dynamic draft tree (OPT-Tree style, engine.DraftTree): token for token."""
+    rng = np.random.default_rng(29)
+    accepted = branched = 0
+    for trial in range(10):
+        prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(1, 6)))]
+        plain = tree_gen.generate_ids(prompt, max_new_tokens=16, temperature=0.0, num_candidates=0).token_ids
+        for budget, depth in ((4, 3), (8, 4), (3, 6)):
+            res = tree_gen.generate_ids(prompt, max_new_tokens=16, temperature=0.0, tree_budget=budget,
+                                        draft_len=depth)
+            assert res.token_ids == plain, (prompt, budget, depth)
+            accepted += res.stats.accepted
+            branched += res.stats.scored > res.stats.steps * (depth + 1)      # more nodes than one chain
+            assert res.stats.scored <= res.stats.steps * (budget + 1)          # never more than the budget
+    assert accepted > 0 and branched > 0, (accepted, branched)
+
+
+def test_dynamic_tree_draft_sees_only_its_own_branch(tree_bundle, tree_gen, monkeypatch):
+    """Every draft distribution the tree grows from equals the draft's exact next-token logits for
+    that node's own path (toy_lm.exact_next_logits): past masks and positions of a tree drafted
+    over several calls are right. Greedy equality alone would not notice a wrong draft tree."""
+    from spectr_edge import engine
+    from toy_lm import exact_next_logits, load_params
+
+    params = load_params(tree_bundle, "draft")
+    seen = []
+    original = engine.DraftTree.grow
+
+    def recording(self, frontier, logits):
+        for i, node in enumerate(frontier):
+            path = [self.tokens[n] for n in reversed([node] + self.ancestors_of(node))] if node else []
+            seen.append((self.tokens[0], path, np.array(logits[i])))
+        return original(self, frontier, logits)
+
+    monkeypatch.setattr(engine.DraftTree, "grow", recording)
+    prompt = [1, 3, 0, 2]
+    res = tree_gen.generate_ids(prompt, max_new_tokens=12, temperature=0.0, tree_budget=6, draft_len=3)
+    committed = list(prompt) + res.token_ids
+    checked = deep = 0
+    for root, path, logits in seen:
+        # the tree's root is the last committed token of some step: try every such prefix
+        for cut in range(len(prompt), len(committed) + 1):
+            if committed[cut - 1] != root:
+                continue
+            ref = exact_next_logits(params, committed[:cut] + path)[:VOCAB_SIZE]
+            if np.allclose(logits, ref, atol=1e-4):
+                checked += 1
+                deep += len(path) > 0
+                break
+        else:
+            raise AssertionError(f"draft logits for tree path {path} match no prefix of the output")
+    assert checked == len(seen) and deep > 0, (checked, len(seen), deep)
+
+
 # --------------------------------------------------------------------------- prompt lookup
 # Deterministic drafts copied from the prompt and the output (spectr_edge/lookup.py), verified by the
 # one-hot rule; alone, and before the draft model. The 5-token vocabulary makes matches frequent.

@@ -94,3 +94,66 @@ def test_cost_curve_floored_for_padded_calls():
     assert padded(1) == padded(2) == 1.0
     assert padded(4) == pytest.approx(2.0 / 1.25) and padded(8) == pytest.approx(3.5 / 1.25)
     assert padded(16) == pytest.approx((3.5 + 8 * 0.375) / 1.25)      # extrapolated like the original
+
+
+# -- tune chooses the decoding defaults; generate uses them for options left unset ------------------
+def test_tune_chooses_defaults_end_to_end(tiny_qwen_bundle, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_qwen_bundle, bundle)
+    res = subprocess.run(CLI + ["tune", "--bundle", str(bundle), "--provider", "cpu", "--repeats", "1",
+                                "--calibration-tokens", "16"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "greedy: chose" in res.stdout and "sampling: chose" in res.stdout
+    m = json.loads((bundle / "spectr.json").read_text())
+    assert set(m["defaults"]) == {"greedy", "sampling"}
+    assert [k for k, _ in m["models"]["draft"]["decode_rows_curve"]] == [1, 2, 4]
+    for regime, choice in m["tuning"]["choice"].items():
+        rows = choice["candidates"]
+        # target-only is always a candidate at exactly 1.00x, and the best prediction wins
+        assert {"policy": "target only", "predicted": 1.0} == {k: rows[0][k] for k in ("policy", "predicted")}
+        assert choice["predicted_speedup"] == max(r["predicted"] for r in rows) >= 1.0
+        assert any(r["policy"] == "prompt lookup" for r in rows) and len(rows) >= 6
+    info = subprocess.run(CLI + ["info", "--bundle", str(bundle)], capture_output=True, text=True, timeout=120)
+    assert "default when greedy:" in info.stdout and "default when sampling:" in info.stdout
+    import spectr_edge
+    gen = spectr_edge.load(bundle, provider="cpu", threads=1)
+    plain = gen.generate_ids([5, 6, 7, 8], max_new_tokens=24, num_candidates=0).token_ids
+    assert gen.generate_ids([5, 6, 7, 8], max_new_tokens=24).token_ids == plain     # the tuned greedy default
+
+
+def _with_defaults(src, dst, defaults):
+    import shutil
+
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "spectr.json").read_text())
+    m["defaults"] = defaults
+    (dst / "spectr.json").write_text(json.dumps(m))
+    return dst
+
+
+def test_generate_fills_unset_options_from_tuned_defaults(tiny_qwen_bundle, tmp_path):
+    import spectr_edge
+
+    bundle = _with_defaults(tiny_qwen_bundle, tmp_path / "b", {
+        "greedy": {"drafter": "lookup", "num_candidates": 1},
+        "sampling": {"drafter": "model", "num_candidates": 2, "draft_len": 2, "draft_stop": 0.0, "adaptive": False}})
+    gen = spectr_edge.load(bundle, provider="cpu", threads=1)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    st = gen.generate_ids(prompt, max_new_tokens=24).stats                  # greedy: the tuned prompt lookup
+    assert st.draft_calls == 0 and st.steps > 0 and st.num_candidates == 1
+    st = gen.generate_ids(prompt, max_new_tokens=24, drafter="model").stats  # another drafter: built-in defaults
+    assert st.draft_calls > 0 and st.lookup_steps == 0
+    st = gen.generate_ids(prompt, max_new_tokens=24, num_candidates=0).stats
+    assert st.num_candidates == 0 and st.steps == 0                          # an explicit option always wins
+    st = gen.generate_ids(prompt, max_new_tokens=24, temperature=1.0, seed=3).stats   # sampling: k=2 L=2
+    assert (st.num_candidates, st.draft_len) == (2, 2)
+    st = gen.generate_ids(prompt, max_new_tokens=24, temperature=1.0, seed=3, draft_len=3).stats
+    assert (st.num_candidates, st.draft_len) == (2, 3)                       # unset k tuned, L given
+    # the CLI does not even load the draft when the tuned greedy default needs none
+    res = subprocess.run(CLI + ["generate", "hello", "--bundle", str(bundle), "--provider", "cpu", "-n", "8",
+                                "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["stats"]["draft_calls"] == 0 and out["stats"]["num_candidates"] == 1
