@@ -111,8 +111,8 @@ class Engine:
         # a greedy draft is deterministic: k candidates would all be the same row. With a tree
         # target, k > 1 at temperature 0 means k branches per depth: the chain + k - 1 leaves.
         greedy_tree = use_model and req.sampling.greedy and req.num_candidates > 1 and self.target.takes_tree
-        dynamic_tree = (use_model and req.sampling.greedy and req.tree_budget > 0 and self.target.takes_tree
-                        and self.draft.takes_tree)
+        dynamic_tree = (use_model and req.tree_budget > 0 and self.target.takes_tree and self.draft.takes_tree)
+        shape = None if req.sampling.greedy or not dynamic_tree else sequoia_shape(req.tree_budget, req.draft_len)
         num_candidates = 1 if req.sampling.greedy and not greedy_tree else req.num_candidates
         lookup = None
         if req.drafter != "model":
@@ -144,6 +144,9 @@ class Engine:
                 lookup.update(ngram, len(proposal), len(tokens) - 1)
             elif draft_len < 1 or not use_model:
                 tokens = self._plain_step(ids, t_cache, req, rng, stats)
+            elif dynamic_tree and shape is not None:
+                tokens, draft_seen = self._sequoia_step(ids, t_cache, d_cache, draft_seen, shape, draft_len, req,
+                                                        rng, stats)
             elif dynamic_tree:
                 tokens, draft_seen = self._dynamic_tree_step(ids, t_cache, d_cache, draft_seen, req.tree_budget,
                                                              draft_len, stats)
@@ -272,6 +275,103 @@ class Engine:
         d_cache.crop(draft_seen)
         return tokens, draft_seen
 
+    def _draft_nodes(self, tree: "DraftTree", new: list[int], d_cache, base: int, stats) -> np.ndarray:
+        """One draft call over a tree's newest nodes; returns their logits # [len(new), W].
+
+        Each new node sees the committed ids (the first `base` cache positions) and its own
+        ancestors already in the cache, not the other branches; position = base - 1 + depth.
+        """
+        past = d_cache.length
+        past_mask = np.zeros((len(new), past), dtype=bool)                  # [new, past]
+        past_mask[:, :base] = True
+        for i, node in enumerate(new):
+            for a in tree.ancestors_of(node):
+                if tree.fed[a] is not None:
+                    past_mask[i, tree.fed[a]] = True
+        positions = np.asarray([base - 1 + tree.depth[n] for n in new], dtype=np.int64)
+        logits = self.draft.forward(np.asarray([[tree.tokens[n] for n in new]], dtype=np.int64), d_cache,
+                                    np.eye(len(new), dtype=bool), positions - past, past_mask)[0]
+        for i, node in enumerate(new):
+            tree.fed[node] = past + i
+        return logits
+
+    def _sequoia_step(self, ids, t_cache, d_cache, draft_seen, shape, max_depth, req, rng, stats):
+        """Sampling with a Sequoia tree (SPECTR.md 6): the fixed shape's children of a node are drawn
+        without replacement from the draft there, one draft call per depth; one target call scores
+        the tree; from the root, child x (in drawing order) is accepted if u p~(x) < q(x), p~ the
+        draft renormalised without the rejected siblings, else q <- norm(max(q - p~, 0)); when no
+        child is accepted (or at a leaf) the next token is drawn from q. Lossless."""
+        sampling, vocab = req.sampling, self.vocab_size
+        tree = DraftTree(ids[-1], 0)
+        logits = self.draft.forward(np.asarray([[t for t in ids[draft_seen:]]], dtype=np.int64), d_cache)[0, -1:]
+        draft_calls, base = 1, d_cache.length
+        draft_probs = {}                                   # node -> processed draft probs there # [W]
+        frontier, shape_of = [0], {0: 0}                   # tree node -> shape node
+        for depth in range(1, max_depth + 1):
+            t0 = time.perf_counter()
+            new = []
+            probs = logits_to_probs(logits, sampling, vocab)                      # [f, W]
+            for fi, node in enumerate(frontier):
+                width = shape.children[shape_of[node]]
+                if not width:
+                    continue
+                p = probs[fi].astype(np.float64)
+                draft_probs[node] = p.copy()
+                for rank in range(width):                  # without replacement, in drawing order
+                    total = p.sum()
+                    if total <= 0:
+                        break
+                    tok = int(sample(p / total, rng))
+                    child = tree.add_child(node, tok)
+                    shape_of[child] = shape.child(shape_of[node], rank)
+                    new.append(child)
+                    p[tok] = 0.0
+            stats.seconds_select += time.perf_counter() - t0
+            expand = [n for n in new if shape.children[shape_of[n]]]
+            if not expand or depth == max_depth:
+                break
+            logits = self._draft_nodes(tree, expand, d_cache, base, stats)
+            draft_calls += 1
+            frontier = expand
+        stats.draft_calls += draft_calls
+        stats.cost_units += self.draft_cost * draft_calls
+        trie = TokenTrie(ids[-1], tree.rows())
+        past = len(ids) - 1
+        node_logits = self.target.forward(trie.tokens[None], t_cache, trie.ancestors, trie.depth)[0]  # [N, W]
+        self._charge(stats, len(trie.tokens))
+        stats.steps += 1
+        stats.scored += len(trie.tokens)
+        t0 = time.perf_counter()
+        node, trie_node, out, path = 0, 0, [], [0]
+        while True:
+            q = logits_to_probs(node_logits[trie_node], sampling, vocab).astype(np.float64)
+            chosen = None
+            if node in draft_probs:
+                p = draft_probs[node].copy()
+                for child in tree.kids[node]:
+                    x = tree.tokens[child]
+                    if rng.random() * p[x] < q[x]:
+                        chosen = child
+                        break
+                    q = _residual(q, p)
+                    p[x] = 0.0
+                    if p.sum() <= 0:
+                        break
+                    p /= p.sum()
+            if chosen is None:
+                out.append(int(sample(q, rng)))
+                break
+            out.append(tree.tokens[chosen])
+            node, trie_node = chosen, trie.children[(trie_node, tree.tokens[chosen])]
+            path.append(trie_node)
+        stats.seconds_select += time.perf_counter() - t0
+        accepted = len(out) - 1
+        _record_step(stats, int(trie.depth.max()), accepted)
+        t_cache.gather(past, past + np.asarray(path))
+        kept = tree.fed_path(out[:accepted])
+        d_cache.gather(base, np.asarray(kept, dtype=np.int64))
+        return out, base + len(kept)
+
     def _dynamic_tree_step(self, ids, t_cache, d_cache, draft_seen, budget, max_depth, stats):
         """Greedy with a tree target and a tree draft: grow a draft tree of `budget` nodes, one
         draft call per depth over the newest nodes (OPT-Tree: the tree keeps the `budget` nodes
@@ -288,19 +388,7 @@ class Engine:
             stats.seconds_select += time.perf_counter() - t0
             if not new or depth == max_depth:
                 break
-            # the newest nodes see the ids and their own fed ancestors, not the other branches
-            past = d_cache.length
-            past_mask = np.zeros((len(new), past), dtype=bool)
-            past_mask[:, :base] = True
-            for i, node in enumerate(new):
-                for a in tree.ancestors_of(node):
-                    if tree.fed[a] is not None:
-                        past_mask[i, tree.fed[a]] = True
-            positions = np.asarray([base - 1 + tree.depth[n] for n in new], dtype=np.int64)
-            logits = self.draft.forward(np.asarray([[tree.tokens[n] for n in new]], dtype=np.int64), d_cache,
-                                        np.eye(len(new), dtype=bool), positions - past, past_mask)[0]
-            for i, node in enumerate(new):
-                tree.fed[node] = past + i
+            logits = self._draft_nodes(tree, new, d_cache, base, stats)
             draft_calls += 1
             frontier = new
         stats.draft_calls += draft_calls
@@ -364,6 +452,45 @@ class Engine:
         return tokens, draft_seen
 
 
+# Probability that the rank-r child drawn at a node is the accepted one, at temperature 1 with the
+# default bundle (Qwen2.5-Coder 0.5B int4 draft, 1.5B target: sum min(p, q) = 0.705 for the first
+# draw, MODELS.md; later draws, without replacement, from the Sequoia paper's decay); they only
+# shape the tree, never the output law.
+SEQUOIA_RANK_ACCEPTANCE = (0.70, 0.12, 0.05, 0.03, 0.02, 0.01)
+
+
+class SequoiaShape:
+    """The tree of `budget` nodes with the highest expected acceptance, depth <= max_depth: each
+    node's value is the product of its path's rank acceptances, and the best tree of n nodes is
+    the n highest-valued nodes of the infinite tree (values fall along every path and sibling
+    rank, so that set is a tree: the dynamic program of Sequoia, solved greedily).
+    children[s] = how many children shape node s has; child(s, r) = its rank-r child."""
+
+    def __init__(self, budget: int, max_depth: int, accept=SEQUOIA_RANK_ACCEPTANCE):
+        import heapq
+
+        self.children, self.depth, self._child = [0], [0], {}
+        heap = [(-accept[0], 0, 0)]                    # (-value, parent, rank)
+        while heap and len(self.depth) - 1 < budget:
+            neg, parent, rank = heapq.heappop(heap)
+            node = len(self.depth)
+            self.depth.append(self.depth[parent] + 1)
+            self.children.append(0)
+            self.children[parent] += 1
+            self._child[(parent, rank)] = node
+            if rank + 1 < len(accept):
+                heapq.heappush(heap, (neg / accept[rank] * accept[rank + 1], parent, rank + 1))
+            if self.depth[node] < max_depth:
+                heapq.heappush(heap, (neg * accept[0], node, 0))
+
+    def child(self, node: int, rank: int) -> int:
+        return self._child[(node, rank)]
+
+
+def sequoia_shape(budget: int, max_depth: int) -> SequoiaShape:
+    return SequoiaShape(budget, max_depth)
+
+
 class DraftTree:
     """A greedy draft tree grown by path probability (OPT-Tree, SPECTR.md section 6).
 
@@ -382,6 +509,20 @@ class DraftTree:
         self.fed: list[int | None] = [None]
         self.kept: set[int] = set()
         self.children: dict[tuple[int, int], int] = {}
+        self.kids: dict[int, list[int]] = {}         # node -> its children in the order they were added
+
+    def add_child(self, parent: int, token: int) -> int:
+        """Append a kept child (sampled trees, which keep every node they draw)."""
+        node = len(self.tokens)
+        self.tokens.append(int(token))
+        self.parent.append(parent)
+        self.depth.append(self.depth[parent] + 1)
+        self.logp.append(0.0)
+        self.fed.append(None)
+        self.children[(parent, int(token))] = node
+        self.kids.setdefault(parent, []).append(node)
+        self.kept.add(node)
+        return node
 
     def grow(self, frontier: list[int], logits: np.ndarray) -> list[int]:
         """logits # [len(frontier), V] from the draft at the frontier; returns the new kept nodes."""
@@ -513,6 +654,13 @@ class _RowLogits:
     def __getitem__(self, index) -> np.ndarray:
         row, j = index
         return self.node_logits[self.node_of[row, j]]
+
+
+def _residual(q: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """norm(max(q - p, 0)): what the target still owes after a draft token drawn from p was rejected."""
+    r = np.maximum(q - p, 0.0)
+    total = r.sum()
+    return r / total if total > 0 else q
 
 
 def _record_step(stats: GenerationStats, draft_len: int, accepted: int) -> None:

@@ -156,7 +156,7 @@ class Generator:
                 draft_len = tuned["draft_len"]
             draft_stop = tuned.get("draft_stop") if draft_stop is None else draft_stop
             adaptive = tuned.get("adaptive") if adaptive is None else adaptive
-            if tree_budget is None and temperature == 0:
+            if tree_budget is None:
                 tree_budget = tuned.get("tree_budget")
         if drafter == "lookup":         # prompt lookup alone: no draft model, one candidate, its own length
             _check(num_candidates in (None, 1), f"prompt lookup drafts one candidate (got num_candidates="
@@ -177,8 +177,6 @@ class Generator:
         _check(isinstance(tree_budget, int) and tree_budget >= 0,
                f"tree_budget must be an integer >= 0 (got {tree_budget}); 0 turns the dynamic tree off")
         if tree_budget:
-            _check(temperature == 0, "the dynamic draft tree (tree_budget) is for greedy decoding; at temperature "
-                   "> 0 use num_candidates (SpecTr) instead")
             _check(self.draft is not None and drafter in (None, "model") and num_candidates != 0,
                    "the dynamic draft tree (tree_budget) drafts with the draft model; drop --draft lookup/--no-draft")
             _check(self.target.takes_tree and self.draft.takes_tree,

@@ -66,12 +66,14 @@ class Config:
     draft_stop: float = 0.0       # adaptive draft length (stop on low draft confidence)
     drafter: str | None = None    # None = the draft model; "lookup" | "model+lookup" = prompt lookup
     adaptive: bool = False        # per-step draft length from policy.AdaptiveLength
+    tree_budget: int = 0          # a draft tree of this many nodes (sampling: a Sequoia tree; greedy: OPT-Tree)
 
     def __str__(self) -> str:
         filters = f"-topk{self.top_k}-topp{self.top_p}" if self.top_k or self.top_p < 1 else ""
         stop = f"-stop{self.draft_stop}" if self.draft_stop else ""
         stop += f"-{self.drafter}" if self.drafter else ""
         stop += "-adaptive" if self.adaptive else ""
+        stop += f"-tree{self.tree_budget}" if self.tree_budget else ""
         return (f"k{self.num_candidates}-L{self.draft_len}-T{self.temperature}{filters}{stop}"
                 f"-prompt{len(self.prompt)}-n{self.draws}")
 
@@ -164,7 +166,7 @@ def draw(gen, cfg: Config) -> Draws:
         res = gen.generate_ids(list(cfg.prompt), max_new_tokens=MAX_NEW_TOKENS, temperature=cfg.temperature,
                                top_k=cfg.top_k, top_p=cfg.top_p, num_candidates=cfg.num_candidates,
                                draft_len=cfg.draft_len, draft_stop=cfg.draft_stop, drafter=cfg.drafter,
-                               adaptive=cfg.adaptive, rng=rng)
+                               adaptive=cfg.adaptive, tree_budget=cfg.tree_budget, rng=rng)
         ids = tuple(res.token_ids)
         assert len(ids) == MAX_NEW_TOKENS, ids               # eos_token_ids is empty
         assert all(0 <= t < VOCAB_SIZE for t in ids), f"padding or out-of-range id emitted: {ids}"
@@ -382,6 +384,31 @@ def test_tree_greedy_equals_target_only(tree_gen):
             leaves += res.stats.scored - res.stats.drafted - res.stats.steps   # nodes beyond root + chain
     assert accepted > 0 and leaves > 0, (accepted, leaves)
 
+
+
+# Sequoia trees (engine._sequoia_step): children drawn without replacement, accepted by Sequoia's rule
+SEQUOIA_CONFIGS = [
+    Config(1, 3, 1.0, seed=24, tree_budget=6),
+    Config(1, 2, 0.7, top_k=3, top_p=0.9, prompt=LONG_PROMPT, seed=25, tree_budget=5),
+]
+
+
+@pytest.mark.parametrize("cfg", SEQUOIA_CONFIGS, ids=str)
+def test_sequoia_tree_output_law_equals_target(tree_bundle, tree_gen, cfg):
+    draws = draw(tree_gen, cfg)
+    assert draws.scored > draws.steps * (cfg.draft_len + 1)          # wider than one chain: siblings were drawn
+    assert_engine_follows_target(tree_bundle, tree_gen, cfg, draws)
+
+
+def test_negative_control_sequoia_without_residual(tree_bundle, tree_gen, monkeypatch):
+    """Moving on to the next sibling (or the final draw) with q itself instead of the residual
+    norm(max(q - p~, 0)) is detected by the same test."""
+    from spectr_edge import engine
+
+    monkeypatch.setattr(engine, "_residual", lambda q, p: q)
+    cfg = Config(1, 2, 1.0, draws=NEGATIVE_DRAWS, seed=26, tree_budget=6)
+    draws = draw(tree_gen, cfg)
+    assert_law_rejected(tree_bundle, cfg, draws)
 
 
 def test_dynamic_tree_greedy_equals_target_only(tree_gen):

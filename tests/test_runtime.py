@@ -122,6 +122,9 @@ def test_kv_cache_operations():
     (dict(num_candidates=-1), "num_candidates must be an integer >= 0"),
     (dict(draft_len=0), "draft_len must be an integer >= 1"),
     (dict(draft_stop=1.0), r"draft_stop must be in \[0, 1\)"),
+    (dict(tree_budget=-1), "tree_budget must be an integer >= 0"),
+    (dict(tree_budget=4), "needs a bundle whose graphs take a tree mask"),
+    (dict(tree_budget=4, drafter="lookup"), "drafts with the draft model"),
 ])
 def test_bad_generation_options(gen, options, message):
     with pytest.raises(InputError, match=message) as err:
