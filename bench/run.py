@@ -5,6 +5,7 @@
     .venv/bin/python bench/run.py --suite peers                           # spectr-edge vs ORT GenAI, HF, llama.cpp
     .venv/bin/python bench/run.py --suite adaptive                        # length rules, float32 and int4 targets
     .venv/bin/python bench/run.py --suite cpu                             # issue 6's bars: int4 per category vs peers
+    .venv/bin/python bench/run.py --suite trees                           # issue 5: draft trees, tuned defaults
 
 Every method runs in a worker process (bench/workers/), one worker per tool configuration
 that needs its own loaded models, so peers run in their own environments and each
@@ -176,7 +177,27 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
                 q(spectr(0.0, 0)), q(adaptive(6)), q(adaptive(6, 0.5)), q(lookup(0.0, "lookup"))]
     if name == "cpu":       # issue 6's bars: int4 target per category, against ORT GenAI and llama.cpp, greedy
         return cpu_suite(other_bundle)
-    raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive or cpu")
+    if name == "trees":     # issue 5: draft trees and the tuned defaults, greedy and T=1 (tune both bundles first)
+        return trees_suite(other_bundle)
+    raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu or trees")
+
+
+def tree_method(temperature: float, budget: int, depth: int) -> dict:
+    """A draft tree of `budget` nodes (greedy: OPT-Tree by path probability; T > 0: Sequoia)."""
+    kind = "OPT-Tree" if temperature == 0 else "Sequoia tree"
+    return {**spectr(temperature, 1, depth, label=f"{kind} {budget} nodes depth<={depth}"),
+            "config": {"temperature": temperature, "k": 1, "L": depth, "stop": 0.0, "tree": budget}}
+
+
+def trees_suite(int4_bundle: str | None = None) -> list[dict]:
+    """Issue 5 on the float32 bundle: the tuned default against the fixed policies and the draft
+    trees, greedy and T=1; plus the int4 twin's target-only and tuned default (issue 6)."""
+    q = lambda m: {**on_bundle(m, int4_bundle or str(INT4_BUNDLE), "int4 target"),  # noqa: E731
+                   "own_baseline": None if m["baseline"] else "spectr-edge T=0 target-only [int4 target]"}
+    return [spectr(0.0, 0), spectr_default(0.0), spectr(0.0, 1, 6, stop=0.5), spectr(0.0, 3, 4),
+            tree_method(0.0, 12, 6), tree_method(0.0, 16, 6),
+            spectr(1.0, 0), spectr_default(1.0), spectr(1.0, 1, 3), spectr(1.0, 2, 2), tree_method(1.0, 8, 4),
+            q(spectr(0.0, 0)), q(spectr_default(0.0))]
 
 
 def adaptive_method(L: int, stop: float = 0.0) -> dict:
@@ -366,7 +387,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     methods = suite(args.suite, args.all_configs, args.tree_bundle)
     subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1", "peers": "stratified-1",
-                               "adaptive": "stratified-1", "cpu": "stratified-2"}.get(
+                               "adaptive": "stratified-1", "cpu": "stratified-2",
+                               "trees": "stratified-1"}.get(
         args.suite, "stratified-4")
     if args.quick:
         subset, args.max_new_tokens = (args.prompts or "stratified-1"), 32

@@ -8,7 +8,7 @@ stderr). The worker first sends {"ready": true, "info": {...versions...}}. A req
 {"id", "result": {...measurements...}} or {"id", "error": "one line"}. An empty line or EOF ends it.
 
 config keys for spectr-edge: temperature, k (0 = target-only), L, stop (draft_stop), top_k, top_p,
-drafter (model | lookup | model+lookup), adaptive (bool).
+drafter (model | lookup | model+lookup), adaptive (bool), tree (tree_budget: a draft tree of that many nodes).
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ def main() -> None:
             kwargs["drafter"] = c["drafter"]
         if "adaptive" in c:
             kwargs["adaptive"] = c["adaptive"]
+        if c.get("tree"):
+            kwargs["tree_budget"] = c["tree"]
         res = gen.generate_ids(req["prompt_ids"], **kwargs)
         s = res.stats
         return {"new_tokens": s.new_tokens, "seconds": s.seconds_total, "ttft_s": s.seconds_first_token,
