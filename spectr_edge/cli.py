@@ -86,7 +86,8 @@ def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, ch
     from .generator import Generator, tuned_options
 
     b = read_bundle(bundle)
-    tuned = tuned_options(b, temperature) if num_candidates is None and drafter is None else {}
+    given = (num_candidates, draft_len, draft_stop, drafter, adaptive, tree_budget)
+    tuned = tuned_options(b, temperature) if all(v is None for v in given) else {}
     needs_draft = (num_candidates != 0 and drafter != "lookup"
                    and not (tuned and (tuned.get("drafter") == "lookup" or tuned.get("num_candidates") == 0)))
     gen = Generator(b, provider=provider, draft_provider=draft_provider, threads=threads, load_draft=needs_draft)

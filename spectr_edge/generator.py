@@ -146,18 +146,16 @@ class Generator:
         _check(drafter is None or drafter in DRAFTERS,
                f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
         tuned = tuned_options(self.bundle, temperature)
-        tuned_drafter = tuned.get("drafter", "model")
-        if tuned and num_candidates != 0 and (drafter in (None, tuned_drafter)) and (
-                tuned_drafter == "lookup" or not tuned.get("num_candidates") or self.draft is not None):
-            # each option the caller left unset takes the tuned value; another drafter ignores them
-            drafter = tuned_drafter if drafter is None and tuned.get("num_candidates", 1) else drafter
-            num_candidates = tuned.get("num_candidates") if num_candidates is None else num_candidates
-            if draft_len is None and "draft_len" in tuned and drafter != "lookup":
-                draft_len = tuned["draft_len"]
-            draft_stop = tuned.get("draft_stop") if draft_stop is None else draft_stop
-            adaptive = tuned.get("adaptive") if adaptive is None else adaptive
-            if tree_budget is None:
-                tree_budget = tuned.get("tree_budget")
+        chosen = (num_candidates, draft_len, draft_stop, drafter, adaptive, tree_budget)
+        if tuned and all(v is None for v in chosen) and (
+                tuned.get("drafter") == "lookup" or not tuned.get("num_candidates", 1) or self.draft is not None):
+            # the tuned policy as a whole when the caller chose none of its options (any option they
+            # set replaces it, the built-in defaults filling the rest)
+            num_candidates, draft_len = tuned.get("num_candidates"), tuned.get("draft_len")
+            draft_stop, adaptive, tree_budget = tuned.get("draft_stop"), tuned.get("adaptive"), tuned.get("tree_budget")
+            drafter = tuned.get("drafter") if num_candidates != 0 else None
+            if drafter == "lookup":
+                num_candidates, draft_len = None, None
         if drafter == "lookup":         # prompt lookup alone: no draft model, one candidate, its own length
             _check(num_candidates in (None, 1), f"prompt lookup drafts one candidate (got num_candidates="
                    f"{num_candidates}); leave -k unset or use --draft model")

@@ -19,7 +19,7 @@ fixed seeds, and each is scored by its predicted speedup: tokens per unit of pre
 time being the measured cost curve for every target call plus the measured draft cost for every
 draft call (GenerationStats.cost_units), so acceptance comes from real generations and cost from
 this machine, and the choice is repeatable. The best of each regime (greedy, temperature > 0)
-goes into the manifest's "defaults"; `generate` uses it for options the user leaves unset.
+goes into the manifest's "defaults"; `generate` uses it when the user sets none of its options.
 Target-only is always a candidate (predicted 1.00x), so a policy that would be slower is never
 chosen. Wall-clock ms/token of each candidate is printed beside the prediction as a check.
 

@@ -133,7 +133,7 @@ def _with_defaults(src, dst, defaults):
     return dst
 
 
-def test_generate_fills_unset_options_from_tuned_defaults(tiny_qwen_bundle, tmp_path):
+def test_generate_uses_tuned_defaults_unless_options_are_given(tiny_qwen_bundle, tmp_path):
     import spectr_edge
 
     bundle = _with_defaults(tiny_qwen_bundle, tmp_path / "b", {
@@ -149,8 +149,8 @@ def test_generate_fills_unset_options_from_tuned_defaults(tiny_qwen_bundle, tmp_
     assert st.num_candidates == 0 and st.steps == 0                          # an explicit option always wins
     st = gen.generate_ids(prompt, max_new_tokens=24, temperature=1.0, seed=3).stats   # sampling: k=2 L=2
     assert (st.num_candidates, st.draft_len) == (2, 2)
-    st = gen.generate_ids(prompt, max_new_tokens=24, temperature=1.0, seed=3, draft_len=3).stats
-    assert (st.num_candidates, st.draft_len) == (2, 3)                       # unset k tuned, L given
+    st = gen.generate_ids(prompt, max_new_tokens=24, temperature=1.0, seed=3, draft_len=4).stats
+    assert (st.num_candidates, st.draft_len) == (1, 4)    # any option set replaces the tuned policy as a whole
     # the CLI does not even load the draft when the tuned greedy default needs none
     res = subprocess.run(CLI + ["generate", "hello", "--bundle", str(bundle), "--provider", "cpu", "-n", "8",
                                 "--json"], capture_output=True, text=True, timeout=120)
