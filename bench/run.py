@@ -195,7 +195,7 @@ def trees_suite(int4_bundle: str | None = None) -> list[dict]:
     q = lambda m: {**on_bundle(m, int4_bundle or str(INT4_BUNDLE), "int4 target"),  # noqa: E731
                    "own_baseline": None if m["baseline"] else "spectr-edge T=0 target-only [int4 target]"}
     return [spectr(0.0, 0), spectr_default(0.0), spectr(0.0, 1, 6, stop=0.5), spectr(0.0, 3, 4),
-            tree_method(0.0, 12, 6), tree_method(0.0, 16, 6),
+            tree_method(0.0, 12, 6),
             spectr(1.0, 0), spectr_default(1.0), spectr(1.0, 1, 3), spectr(1.0, 2, 2), tree_method(1.0, 8, 4),
             q(spectr(0.0, 0)), q(spectr_default(0.0))]
 
