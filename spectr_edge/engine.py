@@ -293,6 +293,8 @@ class Engine:
                                     np.eye(len(new), dtype=bool), positions - past, past_mask)[0]
         for i, node in enumerate(new):
             tree.fed[node] = past + i
+        # a call over n nodes costs like a step over n rows (MatMulNBits grows with rows like with tokens)
+        stats.cost_units += self.draft_cost * self.draft_rows(len(new))
         return logits
 
     def _sequoia_step(self, ids, t_cache, d_cache, draft_seen, shape, max_depth, req, rng, stats):
@@ -304,6 +306,7 @@ class Engine:
         sampling, vocab = req.sampling, self.vocab_size
         tree = DraftTree(ids[-1], 0)
         logits = self.draft.forward(np.asarray([[t for t in ids[draft_seen:]]], dtype=np.int64), d_cache)[0, -1:]
+        stats.cost_units += self.draft_cost
         draft_calls, base = 1, d_cache.length
         draft_probs = {}                                   # node -> processed draft probs there # [W]
         frontier, shape_of = [0], {0: 0}                   # tree node -> shape node
@@ -334,7 +337,6 @@ class Engine:
             draft_calls += 1
             frontier = expand
         stats.draft_calls += draft_calls
-        stats.cost_units += self.draft_cost * draft_calls
         trie = TokenTrie(ids[-1], tree.rows())
         past = len(ids) - 1
         node_logits = self.target.forward(trie.tokens[None], t_cache, trie.ancestors, trie.depth)[0]  # [N, W]
@@ -379,6 +381,7 @@ class Engine:
         exact greedy walk, and keep the accepted path in both caches."""
         tree = DraftTree(ids[-1], budget)
         logits = self.draft.forward(np.asarray([ids[draft_seen:]], dtype=np.int64), d_cache)[0, -1:]  # [1, W]
+        stats.cost_units += self.draft_cost
         draft_calls = 1
         base = d_cache.length                       # the draft cache now holds every id
         frontier = [0]
@@ -392,7 +395,6 @@ class Engine:
             draft_calls += 1
             frontier = new
         stats.draft_calls += draft_calls
-        stats.cost_units += self.draft_cost * draft_calls
         trie = TokenTrie(ids[-1], tree.rows())
         past = len(ids) - 1
         node_logits = self.target.forward(trie.tokens[None], t_cache, trie.ancestors, trie.depth)[0]  # [N, W]

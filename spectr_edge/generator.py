@@ -27,6 +27,7 @@ from .text import TextCodec, TextStream
 DEFAULT_GREEDY = (1, 6, 0.5)
 DEFAULT_SAMPLING = (1, 3, 0.0)
 DEFAULT_MAX_NEW_TOKENS = 256
+
 DRAFTERS = ("model", "lookup", "model+lookup")
 DEFAULT_ADAPTIVE = False      # policy.AdaptiveLength for k = 1 (per-step length from acceptance and cost)
 DEFAULT_LOOKUP_LEN = 8        # llama.cpp / HF copy 10 tokens; the cost rule in lookup.py shortens it per step
@@ -44,9 +45,19 @@ TUNED_KEYS = ("drafter", "num_candidates", "draft_len", "draft_stop", "adaptive"
 
 def tuned_options(bundle: Bundle, temperature: float) -> dict:
     """The decoding options `spectr-edge tune` chose for this bundle and regime (greedy when
-    temperature is 0, else sampling), or {} when it has not chosen (see tune.py)."""
+    temperature is 0, else sampling); for an untuned bundle, the built-in choice by what the
+    bundle is (builtin_options)."""
     chosen = (bundle.manifest.get("defaults") or {}).get("greedy" if temperature == 0 else "sampling") or {}
-    return {k: chosen[k] for k in TUNED_KEYS if k in chosen}
+    return {k: chosen[k] for k in TUNED_KEYS if k in chosen} or builtin_options(bundle, temperature)
+
+
+def builtin_options(bundle: Bundle, temperature: float) -> dict:
+    """For an untuned bundle with a quantized target: prompt lookup, which `tune` chose for the
+    int4 target on the 2-core CPU in both regimes (a draft-model step costs half an int4 target
+    step there; bench/RESULTS.md section 00). Other bundles: {} (DEFAULT_GREEDY / DEFAULT_SAMPLING)."""
+    if bundle.target.quant == "int4":
+        return {"drafter": "lookup", "num_candidates": 1}
+    return {}
 
 
 def _check(ok: bool, message: str) -> None:

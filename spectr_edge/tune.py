@@ -117,7 +117,7 @@ def candidates(gen) -> dict[str, list[dict]]:
         if gen.target.takes_tree:
             greedy += [model(num_candidates=2, draft_len=4), model(num_candidates=3, draft_len=4)]
             if gen.draft.takes_tree:
-                greedy += [model(num_candidates=1, draft_len=6, tree_budget=b) for b in (8, 12, 16)]
+                greedy += [model(num_candidates=1, draft_len=6, tree_budget=b) for b in (4, 8, 12)]
         sampling += [model(num_candidates=1, draft_len=L) for L in (2, 3, 4)]
         sampling += [model(num_candidates=k, draft_len=L) for k, L in ((2, 2), (2, 3), (4, 2))]
         if gen.target.takes_tree and gen.draft.takes_tree:      # Sequoia trees
