@@ -154,7 +154,8 @@ def info(bundle):
                    + (f", a draft token {draft_cost:.3f}x" if draft_cost is not None else ""))
         for regime, c in (tuned.get("choice") or {}).items():
             click.echo(f"  default when {'greedy' if regime == 'greedy' else 'sampling'}: {c['policy']} "
-                       f"(predicted {c['predicted_speedup']:.2f}x target-only)")
+                       f"(measured {c.get('measured_speedup', float('nan')):.2f}x target-only on the calibration "
+                       f"prompts, predicted {c['predicted_speedup']:.2f}x)")
     else:
         click.echo("tuned: no (spectr-edge tune measures this machine's costs; defaults are used meanwhile)")
     click.echo(f"providers on this machine: {', '.join(available_providers())}")
@@ -187,7 +188,7 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
     if not no_choose:
         tuning.apply(gen, result)
         click.echo("choosing the decoding defaults: every candidate generates the calibration prompts "
-                   "(predicted = tokens per unit of predicted time over target-only decoding)")
+                   "(measured = wall-clock speedup over target-only, which decides; predicted = from the cost model)")
         try:
             choice = tuning.choose(gen, calibration_tokens or tuning.CALIBRATION_TOKENS, progress=click.echo)
         except ValueError as err:
