@@ -153,9 +153,10 @@ def info(bundle):
                    f"{curve.get(4, float('nan')):.2f}x / {curve.get(8, float('nan')):.2f}x a decode step"
                    + (f", a draft token {draft_cost:.3f}x" if draft_cost is not None else ""))
         for regime, c in (tuned.get("choice") or {}).items():
+            measured = (f"measured {c['measured_speedup']:.2f}x target-only on the calibration prompts, "
+                        if "measured_speedup" in c else "")
             click.echo(f"  default when {'greedy' if regime == 'greedy' else 'sampling'}: {c['policy']} "
-                       f"(measured {c.get('measured_speedup', float('nan')):.2f}x target-only on the calibration "
-                       f"prompts, predicted {c['predicted_speedup']:.2f}x)")
+                       f"({measured}predicted {c['predicted_speedup']:.2f}x)")
     else:
         click.echo("tuned: no (spectr-edge tune measures this machine's costs; defaults are used meanwhile)")
     click.echo(f"providers on this machine: {', '.join(available_providers())}")
