@@ -337,12 +337,7 @@ class Engine:
             draft_calls += 1
             frontier = expand
         stats.draft_calls += draft_calls
-        trie = TokenTrie(ids[-1], tree.rows())
-        past = len(ids) - 1
-        node_logits = self.target.forward(trie.tokens[None], t_cache, trie.ancestors, trie.depth)[0]  # [N, W]
-        self._charge(stats, len(trie.tokens))
-        stats.steps += 1
-        stats.scored += len(trie.tokens)
+        trie, node_logits = self._score_tree(ids, t_cache, tree, stats)
         t0 = time.perf_counter()
         node, trie_node, out, path = 0, 0, [], [0]
         while True:
@@ -367,12 +362,7 @@ class Engine:
             node, trie_node = chosen, trie.children[(trie_node, tree.tokens[chosen])]
             path.append(trie_node)
         stats.seconds_select += time.perf_counter() - t0
-        accepted = len(out) - 1
-        _record_step(stats, int(trie.depth.max()), accepted)
-        t_cache.gather(past, past + np.asarray(path))
-        kept = tree.fed_path(out[:accepted])
-        d_cache.gather(base, np.asarray(kept, dtype=np.int64))
-        return out, base + len(kept)
+        return out, self._commit_tree(ids, t_cache, d_cache, tree, trie, out, path, base, stats)
 
     def _dynamic_tree_step(self, ids, t_cache, d_cache, draft_seen, budget, max_depth, stats):
         """Greedy with a tree target and a tree draft: grow a draft tree of `budget` nodes, one
@@ -395,21 +385,30 @@ class Engine:
             draft_calls += 1
             frontier = new
         stats.draft_calls += draft_calls
+        trie, node_logits = self._score_tree(ids, t_cache, tree, stats)
+        t0 = time.perf_counter()
+        tokens, path = trie.greedy_walk(node_logits, self.vocab_size)
+        stats.seconds_select += time.perf_counter() - t0
+        return tokens, self._commit_tree(ids, t_cache, d_cache, tree, trie, tokens, path, base, stats)
+
+    def _score_tree(self, ids, t_cache, tree: "DraftTree", stats) -> tuple["TokenTrie", np.ndarray]:
+        """One batch-1 target call over a drafted tree; returns its trie and node logits # [N, W]."""
         trie = TokenTrie(ids[-1], tree.rows())
-        past = len(ids) - 1
         node_logits = self.target.forward(trie.tokens[None], t_cache, trie.ancestors, trie.depth)[0]  # [N, W]
         self._charge(stats, len(trie.tokens))
         stats.steps += 1
         stats.scored += len(trie.tokens)
-        t0 = time.perf_counter()
-        tokens, path = trie.greedy_walk(node_logits, self.vocab_size)
-        stats.seconds_select += time.perf_counter() - t0
+        return trie, node_logits
+
+    def _commit_tree(self, ids, t_cache, d_cache, tree, trie, tokens, path, base: int, stats) -> int:
+        """Keep the accepted path in both caches; returns how many ids the draft cache now holds."""
         accepted = len(tokens) - 1
         _record_step(stats, int(trie.depth.max()), accepted)
+        past = len(ids) - 1
         t_cache.gather(past, past + np.asarray(path))
         kept = tree.fed_path(tokens[:accepted])      # draft-cache positions of the accepted nodes it has seen
         d_cache.gather(base, np.asarray(kept, dtype=np.int64))
-        return tokens, base + len(kept)
+        return base + len(kept)
 
     def _spec_step(self, ids, t_cache, d_cache, draft_seen, num_candidates, draft_len, req, rng, stats):
         sampling = req.sampling

@@ -114,7 +114,7 @@ def test_tune_chooses_defaults_end_to_end(tiny_qwen_bundle, tmp_path):
         # target-only is always a candidate at exactly 1.00x, and the best measured speedup wins
         assert {"policy": "target only", "predicted": 1.0, "measured": 1.0} == \
             {k: rows[0][k] for k in ("policy", "predicted", "measured")}
-        assert choice["measured_speedup"] == max(r["measured"] for r in rows) >= 1.0
+        assert choice["policy"] == max(rows, key=lambda r: r["measured"])["policy"]
         assert any(r["policy"] == "prompt lookup" for r in rows) and len(rows) >= 6
     info = subprocess.run(CLI + ["info", "--bundle", str(bundle)], capture_output=True, text=True, timeout=120)
     assert "default when greedy:" in info.stdout and "default when sampling:" in info.stdout
