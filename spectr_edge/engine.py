@@ -294,6 +294,7 @@ class Engine:
         for i, node in enumerate(new):
             tree.fed[node] = past + i
         # a call over n nodes costs like a step over n rows (MatMulNBits grows with rows like with tokens)
+        stats.draft_calls += 1
         stats.cost_units += self.draft_cost * self.draft_rows(len(new))
         return logits
 
@@ -305,9 +306,10 @@ class Engine:
         child is accepted (or at a leaf) the next token is drawn from q. Lossless."""
         sampling, vocab = req.sampling, self.vocab_size
         tree = DraftTree(ids[-1], 0)
-        logits = self.draft.forward(np.asarray([[t for t in ids[draft_seen:]]], dtype=np.int64), d_cache)[0, -1:]
+        logits = self.draft.forward(np.asarray([ids[draft_seen:]], dtype=np.int64), d_cache)[0, -1:]
         stats.cost_units += self.draft_cost
-        draft_calls, base = 1, d_cache.length
+        stats.draft_calls += 1
+        base = d_cache.length
         draft_probs = {}                                   # node -> processed draft probs there # [W]
         frontier, shape_of = [0], {0: 0}                   # tree node -> shape node
         for depth in range(1, max_depth + 1):
@@ -334,9 +336,7 @@ class Engine:
             if not expand or depth == max_depth:
                 break
             logits = self._draft_nodes(tree, expand, d_cache, base, stats)
-            draft_calls += 1
             frontier = expand
-        stats.draft_calls += draft_calls
         trie, node_logits = self._score_tree(ids, t_cache, tree, stats)
         t0 = time.perf_counter()
         node, trie_node, out, path = 0, 0, [], [0]
@@ -372,7 +372,7 @@ class Engine:
         tree = DraftTree(ids[-1], budget)
         logits = self.draft.forward(np.asarray([ids[draft_seen:]], dtype=np.int64), d_cache)[0, -1:]  # [1, W]
         stats.cost_units += self.draft_cost
-        draft_calls = 1
+        stats.draft_calls += 1
         base = d_cache.length                       # the draft cache now holds every id
         frontier = [0]
         for depth in range(1, max_depth + 1):
@@ -382,9 +382,7 @@ class Engine:
             if not new or depth == max_depth:
                 break
             logits = self._draft_nodes(tree, new, d_cache, base, stats)
-            draft_calls += 1
             frontier = new
-        stats.draft_calls += draft_calls
         trie, node_logits = self._score_tree(ids, t_cache, tree, stats)
         t0 = time.perf_counter()
         tokens, path = trie.greedy_walk(node_logits, self.vocab_size)
