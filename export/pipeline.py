@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from spectr_edge import ngram_table
 from spectr_edge.errors import ExportError
 
 from . import onnx_export, presets, quantize, sources, tokenizer_fix, tree_mask, writer
@@ -258,7 +259,10 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
             writer.write_json(bundle / "tokenizer_config.json", t_tok.config)
             shutil.rmtree(work)
             entries = {role: entries[role] for role in ("target", "draft") if role in entries}
-            writer.write_manifest(bundle, writer.manifest(plan.name, writer.tokenizer_entry(t_tok), entries))
+            manifest = writer.manifest(plan.name, writer.tokenizer_entry(t_tok), entries)
+            manifest["lookup_table"] = ngram_table.write_table(bundle, bundle / "tokenizer.json",
+                                                               int(manifest["tokenizer"]["vocab_size"]))
+            writer.write_manifest(bundle, manifest)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     log(f"bundle {out} written ({size / 1e6:.1f} MB) in {time.perf_counter() - t_start:.1f} s")
     return out

@@ -67,6 +67,7 @@ class Bundle:
     target: ModelSpec
     draft: ModelSpec | None
     manifest: dict
+    lookup_table: Path | None = None      # prompt lookup's static next-token table (ngram_table.py)
 
 
 def default_bundle_path() -> Path:
@@ -145,6 +146,20 @@ def _tree_mask(value, where: str) -> str | None:
     return value
 
 
+def _lookup_table(bundle: Path, manifest: dict) -> Path | None:
+    entry = manifest.get("lookup_table")
+    if not entry:
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+        raise BundleError("spectr.json lookup_table is malformed; rebuild it with "
+                          "spectr-edge export --add-lookup-table --out BUNDLE")
+    path = _inside(bundle, entry["file"], "lookup_table.file")
+    if not path.is_file():
+        raise BundleError(f"the lookup table {path} is missing; rebuild it with "
+                          "spectr-edge export --add-lookup-table --out BUNDLE")
+    return path
+
+
 def _tokenizer_spec(bundle: Path, t: dict) -> TokenizerSpec:
     tok_file = _inside(bundle, _require(t, "file", "tokenizer"), "tokenizer.file")
     if not tok_file.is_file():
@@ -220,6 +235,6 @@ def read_bundle(path: str | os.PathLike | None = None) -> Bundle:
     draft = _model_spec(bundle, "draft", models["draft"]) if models.get("draft") else None
     b = Bundle(path=bundle, name=str(manifest.get("name", bundle.name)),
                tokenizer=_tokenizer_spec(bundle, _require(manifest, "tokenizer", "the manifest")),
-               target=target, draft=draft, manifest=manifest)
+               target=target, draft=draft, manifest=manifest, lookup_table=_lookup_table(bundle, manifest))
     _check_shared_vocabulary(b)
     return b

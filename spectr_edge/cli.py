@@ -66,11 +66,14 @@ def main():
 @click.option("--tree-budget", type=int, default=None,
               help="Greedy: draft a tree of this many nodes (grown by draft path probability, depth <= -L) and "
                    "verify it in one call (0 = off; needs tree masks).")
+@click.option("--draft-window", type=int, default=None,
+              help="The draft model reads at most this many of the prompt's latest tokens (0 = all) "
+                   "[default: 256, or what tune chose]; its prefill is the draft's largest cost on long prompts.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print timing and speculation stats to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) instead of streaming.")
 def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, chat, stop, provider,
              draft_provider, threads, num_candidates, draft_len, draft_stop, no_draft, drafter, adaptive, tree_budget,
-             show_stats, as_json):
+             draft_window, show_stats, as_json):
     """Generate a completion of PROMPT ('-' reads it from stdin)."""
     from .generator import GenerationResult
 
@@ -101,7 +104,8 @@ def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, ch
                        "identical; drafting one (a bundle with tree masks uses k as branches per depth)", err=True)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, chat=chat, stop=stop, num_candidates=num_candidates, draft_len=draft_len,
-                   draft_stop=draft_stop, drafter=drafter, adaptive=adaptive, tree_budget=tree_budget)
+                   draft_stop=draft_stop, drafter=drafter, adaptive=adaptive, tree_budget=tree_budget,
+                   draft_window=draft_window)
     result = GenerationResult("", [])
     if as_json:
         result = gen.generate(prompt, **options)
@@ -145,6 +149,9 @@ def info(bundle):
     t = b.tokenizer
     click.echo(f"tokenizer: {t.vocab_size} tokens, eos ids {list(t.eos_token_ids)}, "
                f"chat template {'yes' if t.chat_template else 'no'}")
+    table = b.manifest.get("lookup_table") if b.lookup_table is not None else None
+    click.echo(f"lookup table: {table.get('corpus_tokens', '?')} tokens of the {table.get('source', '?')}"
+               if table else "lookup table: none (spectr-edge export --add-lookup-table)")
     tuned = b.manifest.get("tuning")
     if tuned:
         curve = dict((int(n), c) for n, c in b.manifest["models"]["target"].get("cost_curve", []))
@@ -215,8 +222,21 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
 @click.option("--add-tree-mask", is_flag=True,
               help="Upgrade the existing bundle at --out in place: its graphs take a tree mask and use fused "
                    "attention with in-place cache buffers where the graph allows (weights untouched).")
-def export(target, draft, preset, out, target_quant, draft_quant, overwrite, no_tree_mask, add_tree_mask):
+@click.option("--add-lookup-table", is_flag=True,
+              help="Add prompt lookup's static next-token table to the existing bundle at --out (seconds; "
+                   "new exports have it).")
+def export(target, draft, preset, out, target_quant, draft_quant, overwrite, no_tree_mask, add_tree_mask,
+           add_lookup_table):
     """Export a target (and draft) model into a bundle."""
+    if add_lookup_table:
+        if preset or target or add_tree_mask:
+            raise click.UsageError("--add-lookup-table upgrades the bundle at --out; give no --target, --preset "
+                                   "or --add-tree-mask")
+        from .bundle import read_bundle
+        from .ngram_table import add_lookup_table as add_table
+        read_bundle(out)                           # a clear error for a missing or corrupt bundle
+        add_table(out, log=click.echo)
+        return
     if add_tree_mask:
         if preset or target:
             raise click.UsageError("--add-tree-mask upgrades the bundle at --out; give no --target or --preset")

@@ -38,6 +38,7 @@ class DecodeRequest:
     lookup_ngram: tuple[int, int] = (1, 3)   # (min, max) n-gram size matched by prompt lookup
     adaptive: bool = False       # k = 1: choose each step's draft length (0 = plain step) by policy.AdaptiveLength
     tree_budget: int = 0         # greedy: draft a dynamic tree of this many nodes (OPT-Tree style), depth <= draft_len
+    draft_window: int = 0        # the draft reads at most this many prompt tokens (the latest; 0 = all of them)
 
 
 class Engine:
@@ -50,6 +51,7 @@ class Engine:
         self.draft_cost = draft_cost      # one drafted token, in target single-token decodes
         # a draft call over k rows, relative to one row (MatMulNBits cost grows with rows like with tokens)
         self.draft_rows = draft_rows or CostCurve.for_quant(draft.spec.quant if draft is not None else "none")
+        self.lookup_table = None          # ngram_table.NgramTable: prompt lookup's guess when nothing matches
         self.context_length = target.spec.context_length
         if draft is not None:
             self.context_length = min(self.context_length, draft.spec.context_length)
@@ -116,8 +118,11 @@ class Engine:
         num_candidates = 1 if req.sampling.greedy and not greedy_tree else req.num_candidates
         lookup = None
         if req.drafter != "model":
+            # the table has a guess almost always: before the model it would leave the model nothing
+            # to draft, unless the adaptive rule weighs each guess against the model
+            table = self.lookup_table if req.drafter == "lookup" or req.adaptive else None
             lookup = PromptLookup(self.cost, req.lookup_len, max_ngram=req.lookup_ngram[1],
-                                  min_ngram=req.lookup_ngram[0])
+                                  min_ngram=req.lookup_ngram[0], table=table)
         stats.num_candidates, stats.draft_len = num_candidates, req.draft_len if use_model else req.lookup_len
         stats.reached, stats.accepted_at = [0] * stats.draft_len, [0] * stats.draft_len
         policy = None
@@ -126,19 +131,26 @@ class Engine:
         ids, t_cache = self._prefill(req, rng, stats)
         yield [ids[-1]]
         d_cache, draft_seen = (self.draft.new_cache() if use_model else None), 0
+        if use_model and req.draft_window > 0:
+            # the draft prefills only the prompt's latest tokens: its prefill is the largest draft
+            # cost on long prompts, and what it drafts never changes the output law
+            draft_seen = d_cache.offset = max(0, len(ids) - 1 - req.draft_window)
         emitted = 1
         while len(ids) < self.context_length:
             # a step emits up to L + 1 tokens; never draft past the budget or the context
             budget = min(req.max_new_tokens - emitted - 1, self.context_length - len(ids) - 1)
             draft_len = min(req.draft_len, budget)
-            if policy is not None and draft_len >= 1:
-                draft_len = policy.choose(draft_len)
-                stats.undrafted += draft_len == 0          # the length rule chose a plain step
             proposal = []
             if lookup is not None and budget >= 1:
                 t0 = time.perf_counter()
                 proposal, ngram = lookup.propose(ids, budget)
+                if proposal and policy is not None and draft_len >= 1 and \
+                        policy.best(draft_len)[1] > lookup.rate(ngram, len(proposal)):
+                    proposal = []      # the draft model is expected to yield more per unit of time this step
                 stats.seconds_select += time.perf_counter() - t0
+            if policy is not None and draft_len >= 1 and not proposal:
+                draft_len = policy.choose(draft_len)
+                stats.undrafted += draft_len == 0          # the length rule chose a plain step
             if proposal:
                 tokens = self._lookup_step(ids, t_cache, proposal, req, rng, stats)
                 lookup.update(ngram, len(proposal), len(tokens) - 1)
@@ -272,7 +284,7 @@ class Engine:
         _record_step(stats, draft_len, accepted)
         t_cache.gather(past, past + np.asarray(path))
         draft_seen = len(ids) + min(on_chain, draft_len - 1)
-        d_cache.crop(draft_seen)
+        d_cache.crop(draft_seen - d_cache.offset)
         return tokens, draft_seen
 
     def _draft_nodes(self, tree: "DraftTree", new: list[int], d_cache, base: int, stats) -> np.ndarray:
@@ -406,7 +418,7 @@ class Engine:
         t_cache.gather(past, past + np.asarray(path))
         kept = tree.fed_path(tokens[:accepted])      # draft-cache positions of the accepted nodes it has seen
         d_cache.gather(base, np.asarray(kept, dtype=np.int64))
-        return base + len(kept)
+        return d_cache.offset + base + len(kept)
 
     def _spec_step(self, ids, t_cache, d_cache, draft_seen, num_candidates, draft_len, req, rng, stats):
         sampling = req.sampling
@@ -447,7 +459,7 @@ class Engine:
             t_cache.crop(len(ids) + accepted)             # ids[:-1] + ids[-1] + accepted tokens
         draft_seen = len(ids) + min(accepted, draft_len - 1)
         d_cache.keep_row(survivor)
-        d_cache.crop(draft_seen)
+        d_cache.crop(draft_seen - d_cache.offset)
         return tokens, draft_seen
 
 

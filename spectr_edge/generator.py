@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import zipfile
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -12,11 +13,12 @@ import numpy as np
 
 from .bundle import Bundle, read_bundle
 from .engine import DecodeRequest, Engine
-from .errors import InputError
+from .errors import BundleError, InputError
 from .policy import CostCurve, default_draft_cost
 from .onnx_model import OnnxLM
 from .sampling import SamplingParams
 from .stats import GenerationStats
+from .ngram_table import NgramTable
 from .text import TextCodec, TextStream
 
 # Best (num_candidates, draft_len, draft_stop) measured for the default bundle on a 2-core CPU
@@ -31,6 +33,12 @@ DEFAULT_MAX_NEW_TOKENS = 256
 DRAFTERS = ("model", "lookup", "model+lookup")
 DEFAULT_ADAPTIVE = False      # policy.AdaptiveLength for k = 1 (per-step length from acceptance and cost)
 DEFAULT_LOOKUP_LEN = 8        # llama.cpp / HF copy 10 tokens; the cost rule in lookup.py shortens it per step
+# The draft model reads the prompt's latest 64 tokens only. Its prefill of a ~700-token prompt took
+# 3.3 s with the int4 0.5B draft (a quarter of the target's): on a RAG prompt with a 21-token answer
+# that made the float32 default 0.65-0.72x target-only; with 64 tokens it ran 1.27-1.77x, and on a
+# long-answer RAG prompt 64 tokens drafted as well as the whole prompt. Copying a long input
+# (summaries) is prompt lookup's job (bench/RESULTS.md section 000).
+DEFAULT_DRAFT_WINDOW = 64
 
 
 @dataclass
@@ -40,7 +48,7 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
-TUNED_KEYS = ("drafter", "num_candidates", "draft_len", "draft_stop", "adaptive", "tree_budget")
+TUNED_KEYS = ("drafter", "num_candidates", "draft_len", "draft_stop", "adaptive", "tree_budget", "draft_window")
 
 
 def tuned_options(bundle: Bundle, temperature: float) -> dict:
@@ -87,6 +95,12 @@ class Generator:
             draft_rows = CostCurve.for_quant(bundle.draft.quant, draft_entry.get("decode_rows_curve"))
         self.engine = Engine(self.target, self.draft, bundle.tokenizer.vocab_size, cost, draft_cost or 0.15,
                              draft_rows)
+        if bundle.lookup_table is not None:
+            try:
+                self.engine.lookup_table = NgramTable.load(bundle.lookup_table)
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+                raise BundleError(f"the lookup table {bundle.lookup_table} is corrupt ({err}); rebuild it with "
+                                  "spectr-edge export --add-lookup-table --out BUNDLE") from None
 
     # -- the three entry points ---------------------------------------------------------------
     def generate(self, prompt: str, **options) -> GenerationResult:
@@ -107,14 +121,16 @@ class Generator:
                      seed: int | None = None, rng: np.random.Generator | None = None,
                      num_candidates: int | None = None, draft_len: int | None = None,
                      draft_stop: float | None = None, drafter: str | None = None,
-                     adaptive: bool | None = None, tree_budget: int | None = None) -> GenerationResult:
+                     adaptive: bool | None = None, tree_budget: int | None = None,
+                     draft_window: int | None = None) -> GenerationResult:
         """Generate from raw token ids (no chat template, no stop strings); text is decoded for convenience."""
         result = GenerationResult("", [])
         prompt_ids = [int(i) for i in prompt_ids]
         for tokens in self._run(prompt_ids, result.stats, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rng=rng,
                                 num_candidates=num_candidates, draft_len=draft_len, draft_stop=draft_stop,
-                                drafter=drafter, adaptive=adaptive, tree_budget=tree_budget):
+                                drafter=drafter, adaptive=adaptive, tree_budget=tree_budget,
+                                draft_window=draft_window):
             result.token_ids.extend(tokens)
         result.text = self.codec.decode(result.token_ids)
         return result
@@ -145,7 +161,7 @@ class Generator:
 
     def _request(self, prompt_ids, max_new_tokens, temperature, top_k, top_p,
                  num_candidates, draft_len, draft_stop, drafter=None, adaptive=None,
-                 tree_budget=None) -> DecodeRequest:
+                 tree_budget=None, draft_window=None) -> DecodeRequest:
         _check(len(prompt_ids) > 0, "the prompt is empty; pass at least one token")
         _check(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
                f"max_new_tokens must be an integer >= 1 (got {max_new_tokens})")
@@ -157,6 +173,10 @@ class Generator:
         _check(drafter is None or drafter in DRAFTERS,
                f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
         tuned = tuned_options(self.bundle, temperature)
+        if draft_window is None:       # its own knob: the tuned or built-in window unless the caller sets one
+            draft_window = tuned.get("draft_window", DEFAULT_DRAFT_WINDOW)
+        _check(isinstance(draft_window, int) and draft_window >= 0,
+               f"draft_window must be an integer >= 0 (got {draft_window}); 0 lets the draft read the whole prompt")
         chosen = (num_candidates, draft_len, draft_stop, drafter, adaptive, tree_budget)
         if tuned and all(v is None for v in chosen) and (
                 tuned.get("drafter") == "lookup" or not tuned.get("num_candidates", 1) or self.draft is not None):
@@ -202,16 +222,17 @@ class Generator:
                              num_candidates, draft_len, frozenset(self.bundle.tokenizer.eos_token_ids),
                              float(draft_stop), drafter or "model",
                              draft_len if drafter == "lookup" else max(draft_len, DEFAULT_LOOKUP_LEN),
-                             # with the model to fall back on, a one-token match is too weak a signal
-                             (1, 3) if drafter == "lookup" else (2, 3),
-                             DEFAULT_ADAPTIVE if adaptive is None else bool(adaptive), tree_budget)
+                             # with the model to fall back on, a one-token match is too weak a signal,
+                             # unless the adaptive rule weighs each match against the model
+                             (1, 3) if drafter == "lookup" or adaptive else (2, 3),
+                             DEFAULT_ADAPTIVE if adaptive is None else bool(adaptive), tree_budget, draft_window)
 
     def _run(self, prompt_ids, stats: GenerationStats, *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
              temperature=0.0, top_k=0, top_p=1.0, seed=None, rng=None, num_candidates=None,
              draft_len=None, draft_stop=None, drafter=None, adaptive=None,
-             tree_budget=None) -> Iterator[list[int]]:
+             tree_budget=None, draft_window=None) -> Iterator[list[int]]:
         req = self._request(prompt_ids, max_new_tokens, temperature, top_k, top_p, num_candidates, draft_len,
-                            draft_stop, drafter, adaptive, tree_budget)
+                            draft_stop, drafter, adaptive, tree_budget, draft_window)
         rng = rng if rng is not None else np.random.default_rng(seed)
         stats.prompt_tokens = len(prompt_ids)
         models = [m for m in (self.target, self.draft) if m is not None]

@@ -15,6 +15,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype=np.float32):
         empty = np.zeros((1, num_kv_heads, 0, head_dim), dtype=dtype)  # [1, kv_heads, 0, head_dim]
         self.layers: list[tuple[np.ndarray, np.ndarray]] = [(empty, empty) for _ in range(num_layers)]
+        self.offset = 0   # leading ids the cache never saw (a draft's context window); positions start after them
 
     @property
     def length(self) -> int:
@@ -86,6 +87,7 @@ class BufferKVCache:
         self._geometry = (num_layers, num_kv_heads, head_dim, dtype)
         self.buffers = self._allocate(1, capacity)
         self.length = 0
+        self.offset = 0   # leading ids the cache never saw (a draft's context window); positions start after them
         self._values = None
 
     def _allocate(self, rows: int, capacity: int) -> list[np.ndarray]:

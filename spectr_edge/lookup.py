@@ -21,18 +21,23 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .policy import PRIOR_ACCEPTED, PRIOR_REACHED, CostCurve, best_length
+from .ngram_table import NgramTable
+from .policy import PRIOR_ACCEPTED, PRIOR_REACHED, CostCurve, best_length, step_rate
 
 class PromptLookup:
     """The drafter and its per-generation acceptance statistics."""
 
-    def __init__(self, cost: CostCurve, max_len: int, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, cost: CostCurve, max_len: int, max_ngram: int = 3, min_ngram: int = 1,
+                 table: NgramTable | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
         self.cost, self.max_len = cost, max_len
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.accepted = {n: PRIOR_ACCEPTED for n in range(min_ngram, max_ngram + 1)}
-        self.reached = {n: PRIOR_REACHED for n in range(min_ngram, max_ngram + 1)}
+        self.table = table
+        # sizes -1 / -2: a one-token guess from the static table after one / two tokens
+        sizes = list(range(min_ngram, max_ngram + 1)) + ([-1, -2] if table is not None else [])
+        self.accepted = {n: PRIOR_ACCEPTED for n in sizes}
+        self.reached = {n: PRIOR_REACHED for n in sizes}
 
     def search(self, ids, limit: int) -> tuple[list[int], int]:
         """(continuation of the best earlier match, its n-gram size); ([], 0) when nothing matches.
@@ -54,14 +59,22 @@ class PromptLookup:
     def acceptance(self, n: int) -> float:
         return self.accepted[n] / self.reached[n]
 
+    def rate(self, n: int, length: int) -> float:
+        """Expected tokens per unit of target time of verifying `length` tokens of an n-gram match."""
+        return step_rate(self.cost, 0.0, [self.acceptance(n)] * length)
+
     def best_length(self, n: int, available: int) -> int:
         """Draft length in [0, available] with the most expected tokens per unit of target time
         (policy.best_length with a free drafter and the same acceptance at every position)."""
         return best_length(self.cost, 0.0, [self.acceptance(n)] * available)[0]
 
     def propose(self, ids, limit: int) -> tuple[list[int], int]:
-        """The draft to verify this step (possibly empty) and its n-gram size."""
+        """The draft to verify this step (possibly empty) and its n-gram size (negative: the table's)."""
         draft, n = self.search(ids, min(limit, self.max_len))
+        if not draft and self.table is not None and limit >= 1:
+            guess = self.table.guess(ids)
+            if guess is not None:
+                draft, n = [guess[0]], -guess[1]
         if not draft:
             return [], 0
         return draft[:self.best_length(n, len(draft))], n

@@ -103,9 +103,13 @@ class AdaptiveLength:
         """Expected tokens per unit of time for a step drafting `length` tokens."""
         return step_rate(self.cost, self.draft_cost, self.accepted[:length] / self.reached[:length])
 
-    def choose(self, budget: int) -> int:
+    def best(self, budget: int) -> tuple[int, float]:
+        """(length, expected tokens per unit of time) of the best draft within `budget`; no side effects."""
         upto = min(self.max_len, budget)
-        best, _ = best_length(self.cost, self.draft_cost, self.accepted[:upto] / self.reached[:upto])
+        return best_length(self.cost, self.draft_cost, self.accepted[:upto] / self.reached[:upto])
+
+    def choose(self, budget: int) -> int:
+        best, _ = self.best(budget)
         if best == 0 and budget >= 1:
             self.plain_run += 1
             if self.plain_run >= EXPLORE_AFTER:   # keep learning: a cheap probe now and then

@@ -116,7 +116,9 @@ def candidates(gen) -> dict[str, list[dict]]:
         greedy += [model(num_candidates=1, draft_len=3), model(num_candidates=1, draft_len=6, draft_stop=0.5),
                    model(num_candidates=1, draft_len=6, adaptive=True),
                    {"drafter": "model+lookup", "num_candidates": 1, "draft_len": 6, "draft_stop": 0.5,
-                    "adaptive": False}]
+                    "adaptive": False},
+                   {"drafter": "model+lookup", "num_candidates": 1, "draft_len": 6, "draft_stop": 0.0,
+                    "adaptive": True}]
         if gen.target.takes_tree:
             greedy += [model(num_candidates=2, draft_len=4), model(num_candidates=3, draft_len=4)]
             if gen.draft.takes_tree:

@@ -58,6 +58,7 @@ def test_generate_json_and_no_draft(toy_dir):
     (["--draft", "lookup", "-k", "2"], "prompt lookup drafts one candidate"),
     (["--draft", "lookup", "--no-draft"], "contradict each other"),
     (["--draft", "copy"], "copy"),
+    (["--draft-window", "-3"], "draft_window must be an integer >= 0"),
 ])
 def test_bad_options_give_one_line_errors(toy_dir, args, message):
     res = run_cli("generate", "a b", "--bundle", str(toy_dir), "-n", "3", *args)
@@ -78,6 +79,25 @@ def test_prompt_lookup_from_the_command_line(toy_dir):
     res = run_cli("generate", "a b a b a b", "--bundle", str(toy_dir), "--provider", "cpu", "-n", "12", "--stats",
                   "--draft", "model+lookup")
     assert res.returncode == 0 and "prompt lookup:" in res.stderr, res.stderr
+
+
+def test_add_lookup_table_upgrades_a_bundle(toy_dir, tmp_path):
+    """export --add-lookup-table writes the table and its manifest entry; generation still gives target greedy."""
+    import shutil
+
+    bundle = tmp_path / "upgraded"
+    shutil.copytree(toy_dir, bundle)
+    res = run_cli("export", "--add-lookup-table", "--out", str(bundle))
+    assert res.returncode == 0, res.stderr
+    manifest = json.loads((bundle / "spectr.json").read_text())
+    assert (bundle / manifest["lookup_table"]["file"]).is_file() and "standard library" in res.stdout
+    plain = json.loads(run_cli("generate", "a b c", "--bundle", str(bundle), "--provider", "cpu", "-n", "10",
+                               "--json", "--no-draft").stdout)
+    looked = json.loads(run_cli("generate", "a b c", "--bundle", str(bundle), "--provider", "cpu", "-n", "10",
+                                "--json", "--draft", "lookup").stdout)
+    assert looked["token_ids"] == plain["token_ids"]
+    res = run_cli("export", "--add-lookup-table", "--out", str(tmp_path / "nothing"))
+    assert res.returncode == 2 and "was not found" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_missing_bundle_and_empty_prompt(toy_dir, tmp_path):

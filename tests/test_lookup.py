@@ -4,6 +4,7 @@ Losslessness and greedy equality of the engine with lookup drafts are in test_mo
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from spectr_edge.lookup import PromptLookup
@@ -66,3 +67,62 @@ def test_update_moves_the_estimate_and_propose_uses_it():
     for _ in range(40):
         lk.update(2, 4, 0)                                  # every copy rejected at its first token
     assert lk.propose(ids, 8)[0] == []                     # the match is there, but drafting would not pay
+
+
+# --------------------------------------------------------------------------- static next-token table
+
+
+def test_table_keeps_the_most_common_follower():
+    from spectr_edge.ngram_table import NgramTable, build_table
+
+    corpus = np.asarray([1, 2, 1, 2, 1, 3, 4, 1, 3, 1, 2, 5, 6, 5, 7, 5, 7, 8, 9, 8, 0], dtype=np.int64)
+    t = NgramTable(build_table(corpus, 10))
+    assert t.guess([0, 1]) == (2, 1)           # 1 -> 2 (3 times) over 1 -> 3 (twice); (0, 1) never seen
+    assert t.guess([4, 1]) == (3, 2)           # the pair (4, 1) was followed by 3: two tokens beat one
+    assert t.guess([6, 5]) == (7, 2)
+    assert t.guess([2, 5]) == (6, 2)
+    assert t.guess([3, 8]) == (0, 1)           # 8 -> 9 and 8 -> 0 once each: ties go to the smallest id
+    assert t.guess([7, 0]) is None             # 0 ends the corpus: nothing ever followed it
+    assert t.guess([]) is None
+
+
+def test_propose_falls_back_to_the_table_only_without_a_match(tmp_path):
+    from spectr_edge.ngram_table import NgramTable, build_table
+
+    table = NgramTable(build_table(np.asarray([4, 5, 6, 4, 5, 6]), 10))
+    lk = PromptLookup(CostCurve([(1, 1.0), (2, 1.0), (3, 1.5)]), max_len=8, table=table)  # a padded curve
+    assert lk.propose([1, 2, 3, 1], 8)[1] == 1              # the text has a match: copied, not the table's
+    assert lk.propose([1, 2, 3, 4], 8) == ([5], -1)          # no match in the text: one token from the table
+    assert lk.propose([1, 2, 4, 5], 8) == ([6], -2)          # after two known tokens
+    assert lk.propose([1, 2, 3, 7], 8) == ([], 0)            # nothing anywhere: a plain step
+    for _ in range(30):
+        lk.update(-1, 1, 0)                                   # the table's guesses after one token never hold
+    assert lk.propose([1, 2, 3, 4], 8) == ([5], -1)          # still free on a padded curve (c(2) = c(1))
+    lk = PromptLookup(CostCurve([(1, 1.0), (2, 1.3)]), max_len=8, table=table)
+    for _ in range(30):
+        lk.update(-1, 1, 0)
+    assert lk.propose([1, 2, 3, 4], 8)[0] == []              # where a second token costs, a bad guess is dropped
+
+
+def test_stdlib_table_is_reproducible(tmp_path):
+    """Built twice from the standard library with the same tokenizer: the same arrays."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", "def", "self", "return", "(", ")",
+                                                                   ":", "import", "the", "if"])}, "[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    from spectr_edge.ngram_table import NgramTable, write_table
+
+    entries = []
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+        entries.append(write_table(tmp_path / sub, path, 10, limit_bytes=400_000))
+    assert entries[0] == entries[1] and entries[0]["corpus_tokens"] > 10_000
+    a, b = (np.load(tmp_path / sub / entries[0]["file"]) for sub in ("a", "b"))
+    assert all(np.array_equal(a[k], b[k]) for k in a.files)
+    assert NgramTable.load(tmp_path / "a" / entries[0]["file"]).guess([1]) is not None   # "def" -> something
+    json.dumps(entries[0])                                   # a manifest entry

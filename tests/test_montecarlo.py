@@ -537,3 +537,116 @@ def test_adaptive_length_greedy_equals_target_only(gen, monkeypatch):
             res = gen.generate_ids(prompt, max_new_tokens=24, temperature=0.0, num_candidates=1, draft_len=4,
                                    adaptive=True, draft_stop=0.0)
             assert res.token_ids == plain, (prompt, cost)
+
+
+# --------------------------------------------------------------------------- static lookup table
+# When the text has no match, a bundle's next-token table (spectr_edge/ngram_table.py) proposes one
+# token. Here the text search is switched off so that every lookup step is a table guess; the table
+# comes from a random corpus over the toy vocabulary, so its guesses are right only sometimes.
+
+
+@pytest.fixture
+def table_gen(gen, monkeypatch):
+    from spectr_edge.lookup import PromptLookup
+    from spectr_edge.ngram_table import NgramTable, build_table
+
+    corpus = np.random.default_rng(50).integers(0, VOCAB_SIZE, 400)
+    monkeypatch.setattr(gen.engine, "lookup_table", NgramTable(build_table(corpus, VOCAB_SIZE)))
+    monkeypatch.setattr(PromptLookup, "search", lambda self, ids, limit: ([], 0))
+    return gen
+
+
+def test_lookup_table_output_law_equals_target(bundle, table_gen):
+    cfg = Config(1, 4, 1.0, prompt=LONG_PROMPT, seed=51, drafter="lookup")
+    draws = draw(table_gen, cfg)
+    assert draws.lookup_steps > draws.n, draws.lookup_steps          # the table drafted in most steps
+    assert draws.accepted > 0 and draws.accepted < draws.drafted     # right sometimes, wrong sometimes
+    assert_engine_follows_target(bundle, table_gen, cfg, draws)
+
+
+def test_lookup_table_greedy_equals_target_only(table_gen):
+    rng = np.random.default_rng(52)
+    steps = accepted = 0
+    for trial in range(12):
+        prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(1, 8)))]
+        plain = table_gen.generate_ids(prompt, max_new_tokens=20, temperature=0.0, num_candidates=0).token_ids
+        res = table_gen.generate_ids(prompt, max_new_tokens=20, temperature=0.0, drafter="lookup")
+        assert res.token_ids == plain, prompt
+        steps += res.stats.lookup_steps
+        accepted += res.stats.lookup_accepted
+    assert steps > 12 and 0 < accepted < steps, (steps, accepted)
+
+
+# --------------------------------------------------------------------------- draft context window
+# The draft reads only the prompt's latest `draft_window` tokens (its positions start there). What it
+# drafts changes, the output law and greedy output must not.
+
+
+def _first_draft_feed(gen, monkeypatch, fed: list[int] | None = None) -> list[int]:
+    """Record how many tokens each generation's first draft call is fed (the draft's prefill)."""
+    fed, real = ([] if fed is None else fed), gen.draft.forward
+
+    def forward(input_ids, cache, *args, **kwargs):
+        if cache.length == 0:
+            fed.append(int(input_ids.shape[1]))
+        return real(input_ids, cache, *args, **kwargs)
+
+    monkeypatch.setattr(gen.draft, "forward", forward)
+    return fed
+
+
+@pytest.mark.parametrize("cfg", [Config(2, 2, 1.0, prompt=LONG_PROMPT, seed=53),
+                                 Config(1, 3, 0.7, top_k=3, prompt=LONG_PROMPT, seed=54, tree_budget=6)], ids=str)
+def test_draft_window_output_law_equals_target(bundle, gen, tree_bundle, tree_gen, cfg, monkeypatch):
+    g, b = (tree_gen, tree_bundle) if cfg.tree_budget else (gen, bundle)
+    fed = _first_draft_feed(g, monkeypatch)
+    original = g.generate_ids
+    monkeypatch.setattr(g, "generate_ids", lambda *a, **k: original(*a, draft_window=2, **k))
+    draws = draw(g, cfg)
+    assert fed and set(fed) == {3}, set(fed)        # 2 prompt tokens + the first generated one
+    assert_engine_follows_target(b, g, cfg, draws)
+
+
+def test_draft_window_greedy_equals_target_only(gen, tree_gen, monkeypatch):
+    rng = np.random.default_rng(55)
+    fed = _first_draft_feed(tree_gen, monkeypatch, _first_draft_feed(gen, monkeypatch))
+    for trial in range(8):
+        prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(4, 12)))]
+        for g in (gen, tree_gen):
+            plain = g.generate_ids(prompt, max_new_tokens=16, temperature=0.0, num_candidates=0).token_ids
+            options = [dict(num_candidates=1, draft_len=3), dict(num_candidates=1, draft_len=4, draft_stop=0.5)]
+            if g is tree_gen:
+                options += [dict(num_candidates=3, draft_len=3), dict(num_candidates=1, draft_len=3, tree_budget=6)]
+            for opts in options:
+                for window in (1, 3):
+                    res = g.generate_ids(prompt, max_new_tokens=16, temperature=0.0, draft_window=window, **opts)
+                    assert res.token_ids == plain, (prompt, opts, window)
+    assert 2 in fed and 4 in fed
+
+
+# --------------------------------------------------------------------------- model + lookup, adaptive
+# With the adaptive rule, each step takes the lookup match or the draft model, whichever is expected to
+# yield more per unit of time (one-token matches included).
+
+
+def test_adaptive_model_plus_lookup_output_law_equals_target(bundle, gen, monkeypatch):
+    monkeypatch.setattr(gen.engine, "draft_cost", 0.05)
+    cfg = Config(1, 3, 1.0, prompt=LONG_PROMPT, seed=56, drafter="model+lookup", adaptive=True)
+    draws = draw(gen, cfg)
+    assert draws.lookup_steps > 0 and draws.draft_calls > 0, (draws.lookup_steps, draws.draft_calls)
+    assert_engine_follows_target(bundle, gen, cfg, draws)
+
+
+def test_adaptive_model_plus_lookup_greedy_equals_target_only(gen, tree_gen, monkeypatch):
+    rng = np.random.default_rng(57)
+    used = Counter()
+    for g in (gen, tree_gen):
+        monkeypatch.setattr(g.engine, "draft_cost", 0.05)
+        for trial in range(8):
+            prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(2, 10)))]
+            plain = g.generate_ids(prompt, max_new_tokens=20, temperature=0.0, num_candidates=0).token_ids
+            res = g.generate_ids(prompt, max_new_tokens=20, temperature=0.0, drafter="model+lookup",
+                                 num_candidates=1, draft_len=3, adaptive=True)
+            assert res.token_ids == plain, prompt
+            used.update(lookup=res.stats.lookup_steps, model=res.stats.draft_calls)
+    assert used["lookup"] > 0 and used["model"] > 0, used

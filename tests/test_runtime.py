@@ -125,6 +125,7 @@ def test_kv_cache_operations():
     (dict(tree_budget=-1), "tree_budget must be an integer >= 0"),
     (dict(tree_budget=4), "needs a bundle whose graphs take a tree mask"),
     (dict(tree_budget=4, drafter="lookup"), "drafts with the draft model"),
+    (dict(draft_window=-1), "draft_window must be an integer >= 0"),
 ])
 def test_bad_generation_options(gen, options, message):
     with pytest.raises(InputError, match=message) as err:
@@ -219,3 +220,17 @@ def test_adaptive_draft_length_stops_early(gen):
     short = gen.generate_ids([1, 2], max_new_tokens=30, temperature=1.0, num_candidates=1, draft_len=5, seed=4,
                              draft_stop=0.95)
     assert short.stats.drafted / short.stats.steps < 0.5 * full.stats.drafted / full.stats.steps
+
+
+def test_lookup_table_missing_or_corrupt(toy_dir, tmp_path):
+    entry = {"file": "lookup_table.npz", "source": "test"}
+    bundle = _edited_copy(toy_dir, tmp_path / "no_table", lambda m: m.update(lookup_table=entry))
+    with pytest.raises(BundleError, match="lookup table .* is missing; rebuild it with spectr-edge export "
+                                         "--add-lookup-table"):
+        spectr_edge.load(bundle, provider="cpu")
+    (bundle / "lookup_table.npz").write_bytes(b"PK\x03\x04 not a zip archive")
+    with pytest.raises(BundleError, match="lookup table .* is corrupt"):
+        spectr_edge.load(bundle, provider="cpu")
+    bundle = _edited_copy(toy_dir, tmp_path / "bad_entry", lambda m: m.update(lookup_table="yes"))
+    with pytest.raises(BundleError, match="lookup_table is malformed"):
+        spectr_edge.load(bundle, provider="cpu")

@@ -75,7 +75,15 @@ def main() -> None:
             kwargs["adaptive"] = c["adaptive"]
         if c.get("tree"):
             kwargs["tree_budget"] = c["tree"]
-        res = gen.generate_ids(req["prompt_ids"], **kwargs)
+        if "window" in c:
+            kwargs["draft_window"] = c["window"]
+        table = gen.engine.lookup_table
+        if c.get("table") is False:          # A/B: prompt lookup without the bundle's next-token table
+            gen.engine.lookup_table = None
+        try:
+            res = gen.generate_ids(req["prompt_ids"], **kwargs)
+        finally:
+            gen.engine.lookup_table = table
         s = res.stats
         return {"new_tokens": s.new_tokens, "seconds": s.seconds_total, "ttft_s": s.seconds_first_token,
                 "target_calls": s.target_calls, "draft_calls": s.draft_calls, "accepted": s.accepted,
