@@ -179,7 +179,14 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
         return cpu_suite(other_bundle)
     if name == "trees":     # issue 5: draft trees and the tuned defaults, greedy and T=1 (tune both bundles first)
         return trees_suite(other_bundle)
-    raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu or trees")
+    if name == "window":    # issue 6, float32 target: lookup before the model, and the draft's context window
+        def mpl(window: int) -> dict:
+            label = f"model+lookup k=1 L=6 stop 0.5, draft window {window or 'whole prompt'}"
+            return {**spectr(0.0, 1, 6, stop=0.5, label=label),
+                    "config": {"temperature": 0.0, "drafter": "model+lookup", "k": 1, "L": 6, "stop": 0.5,
+                               "window": window}}
+        return [spectr(0.0, 0), mpl(64), mpl(0)]
+    raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu, trees or window")
 
 
 def tree_method(temperature: float, budget: int, depth: int) -> dict:
@@ -395,7 +402,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     methods = suite(args.suite, args.all_configs, args.tree_bundle)
     subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1", "peers": "stratified-1",
-                               "adaptive": "stratified-1", "cpu": "stratified-2",
+                               "adaptive": "stratified-1", "cpu": "stratified-2", "window": "stratified-2",
                                "trees": "stratified-1"}.get(
         args.suite, "stratified-4")
     if args.quick:

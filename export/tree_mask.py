@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from spectr_edge.bundle import write_manifest
 from spectr_edge.errors import ExportError
 
 from .fuse_attention import FUSED, fuse_attention
@@ -286,15 +287,6 @@ def rewrite_checked(src: Path, dst: Path, entry: dict, ids: np.ndarray, fuse: bo
     return new, check_tree_graph(src, dst, entry, new, ids)
 
 
-def _write_manifest(path: Path, manifest: dict) -> None:
-    import json
-    import os
-
-    tmp = path.with_name(f"spectr.json.partial-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
 def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True) -> list[str]:
     """Upgrade an existing bundle in place: every graph gets a tree mask and (fuse) fused attention.
 
@@ -316,7 +308,7 @@ def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True) -> list[
         if role == "target" and entry.get("min_call_tokens", 1) < min_call_tokens(bundle / entry["file"]):
             entry["min_call_tokens"] = min_call_tokens(bundle / entry["file"])      # bundles made before it
             log(f"{role}: every call scores >= {entry['min_call_tokens']} tokens (int4 kernel numerics)")
-            _write_manifest(manifest_path, manifest)
+            write_manifest(manifest_path.parent, manifest)
         if entry.get("tree_mask") and (entry.get("attention") == FUSED or not fuse):
             log(f"{role}: already takes a tree mask" + (" with fused attention" if fuse else ""))
             continue
@@ -342,7 +334,7 @@ def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True) -> list[
         new_entry["file"] = dst.relative_to(bundle).as_posix()
         log(f"{role}: " + checked)
         manifest["models"][role] = new_entry
-        _write_manifest(manifest_path, manifest)
+        write_manifest(manifest_path.parent, manifest)
         if src != dst:
             src.unlink()
         changed.append(role)

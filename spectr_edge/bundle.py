@@ -83,6 +83,14 @@ def default_bundle_path() -> Path:
     return DEFAULT_BUNDLE
 
 
+def write_manifest(bundle: str | os.PathLike, manifest: dict) -> None:
+    """Replace a bundle's spectr.json atomically (a temporary file beside it, then os.replace)."""
+    path = Path(bundle) / "spectr.json"
+    tmp = path.with_name(f".spectr.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def _inside(bundle: Path, rel: str, what: str) -> Path:
     path = (bundle / rel).resolve()
     if not path.is_relative_to(bundle.resolve()):

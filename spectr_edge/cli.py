@@ -164,6 +164,8 @@ def info(bundle):
                         if "measured_speedup" in c else "")
             click.echo(f"  default when {'greedy' if regime == 'greedy' else 'sampling'}: {c['policy']} "
                        f"({measured}predicted {c['predicted_speedup']:.2f}x)")
+            if c.get("pinned"):
+                click.echo(f"    {c['pinned']}")
     else:
         click.echo("tuned: no (spectr-edge tune measures this machine's costs; defaults are used meanwhile)")
     click.echo(f"providers on this machine: {', '.join(available_providers())}")

@@ -109,18 +109,16 @@ class NgramTable:
 
 
 def add_lookup_table(bundle_path, log=print) -> dict:
-    """Build the table for an existing bundle and record it in its manifest (atomically)."""
+    """Build the table for an existing bundle and record it in its manifest."""
     import json
-    import os
+
+    from .bundle import write_manifest
     bundle = Path(bundle_path)
-    manifest_path = bundle / "spectr.json"
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest = json.loads((bundle / "spectr.json").read_text(encoding="utf-8"))
     tok = manifest["tokenizer"]
     entry = write_table(bundle, bundle / tok["file"], int(tok["vocab_size"]))
     manifest["lookup_table"] = entry
-    tmp = manifest_path.with_name(f".spectr.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, manifest_path)
+    write_manifest(bundle, manifest)
     log(f"{bundle}: lookup table from the {entry['source']}: {entry['corpus_tokens']} tokens, "
         f"{entry['entries']} entries")
     return entry

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .bundle import write_manifest
 from .policy import CostCurve, default_draft_cost
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -257,6 +258,4 @@ def write(bundle_path: Path, result: dict, provider: str, threads, choice: dict 
                                          for regime, c in choice.items()},
                               "calibration": f"{CALIBRATION_TOKENS} tokens x spectr_edge/calibration.py prompts"}
                              if choice else {})}
-    tmp = manifest_path.with_name(f".spectr.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, manifest_path)
+    write_manifest(bundle_path, manifest)

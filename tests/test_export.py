@@ -22,7 +22,7 @@ from export import PRESETS, export_bundle, presets, tokenizer_fix
 from spectr_edge.errors import ExportError
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP_KEYS = {"format", "format_version", "created_by", "name", "tokenizer", "models"}
+TOP_KEYS = {"format", "format_version", "created_by", "name", "tokenizer", "models", "lookup_table"}
 TOKENIZER_KEYS = {"file", "vocab_size", "vocab_sha256", "bos_token_id", "add_bos_token", "eos_token_ids",
                   "chat_template", "special_tokens"}
 MODEL_KEYS = {"file", "tokenizer_file", "vocab_sha256", "source", "architecture", "quant", "dtype", "num_layers",
@@ -115,6 +115,11 @@ def test_manifest_matches_format_and_graph(name, request):
     assert tok["bos_token_id"] is None and tok["add_bos_token"] is False
     assert "<|im_start|>" in tok["chat_template"]
     assert not list(bundle.parent.glob(bundle.name + ".partial-*"))
+    table = m["lookup_table"]                        # prompt lookup's next-token table, from the stdlib source
+    assert table["file"] == "lookup_table.npz" and "standard library" in table["source"]
+    assert table["corpus_tokens"] > 100_000 and table["entries"] > 0
+    from spectr_edge.ngram_table import NgramTable
+    assert NgramTable.load(bundle / table["file"]).vocab == tok["vocab_size"]
     for role, e in m["models"].items():
         assert set(e) - {"attention"} == MODEL_KEYS, role
         # tiny-qwen's graphs take the tree mask and their attention is fused (export/fuse_attention.py)
