@@ -62,9 +62,14 @@ def tuned_options(bundle: Bundle, temperature: float) -> dict:
 def builtin_options(bundle: Bundle, temperature: float) -> dict:
     """For an untuned bundle with a quantized target: prompt lookup, which `tune` chose for the
     int4 target on the 2-core CPU in both regimes (a draft-model step costs half an int4 target
-    step there; bench/RESULTS.md section 00). Other bundles: {} (DEFAULT_GREEDY / DEFAULT_SAMPLING)."""
+    step there; bench/RESULTS.md section 00). Greedy on other bundles with a draft: lookup
+    before the draft model (copies long inputs the windowed draft cannot see: 1.75x and never
+    slower per prompt on the float32 default bundle, section 000). Otherwise {} (DEFAULT_GREEDY /
+    DEFAULT_SAMPLING)."""
     if bundle.target.quant == "int4":
         return {"drafter": "lookup", "num_candidates": 1}
+    if temperature == 0 and bundle.draft is not None:
+        return {"drafter": "model+lookup"}
     return {}
 
 
