@@ -66,6 +66,19 @@ def _time_calls(model, cache_len: int, n: int, repeats: int, vocab: int, rng) ->
     return statistics.median(times)
 
 
+def monotone_fit(values) -> np.ndarray:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators):
+    one slow timing is averaged with its neighbours instead of lifting every later point, as a
+    running maximum would."""
+    blocks: list[list[float]] = []                       # [mean, count]
+    for v in np.asarray(values, dtype=np.float64):
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return np.concatenate([np.full(int(c), m) for m, c in blocks])
+
+
 def measure(gen, sizes=SIZES, repeats: int = 5, progress=print) -> dict:
     """Cost curve of the target and decode cost of the draft, in milliseconds and relative."""
     vocab = gen.bundle.tokenizer.vocab_size
@@ -78,7 +91,7 @@ def measure(gen, sizes=SIZES, repeats: int = 5, progress=print) -> dict:
         ms[n] = 1000 * _time_calls(gen.target, past, n, repeats, vocab, rng)
         progress(f"target, {n:2d} tokens in one call: {ms[n]:8.1f} ms  ({ms[n] / ms[sizes[0]]:.2f}x a decode step)")
     # scoring more tokens never costs less: below-1 or falling ratios are timing noise (tiny models)
-    ratios = np.maximum.accumulate(np.maximum([ms[n] / ms[sizes[0]] for n in sizes], 1.0))
+    ratios = monotone_fit(np.maximum([ms[n] / ms[sizes[0]] for n in sizes], 1.0))
     out = {"past": past, "target_ms": ms, "cost_curve": [[n, round(float(r), 4)] for n, r in zip(sizes, ratios)]}
     if gen.draft is not None:
         d = 1000 * _time_calls(gen.draft, past, 1, repeats, vocab, rng)

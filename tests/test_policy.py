@@ -158,3 +158,14 @@ def test_generate_uses_tuned_defaults_unless_options_are_given(tiny_qwen_bundle,
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["stats"]["draft_calls"] == 0 and out["stats"]["num_candidates"] == 1
+
+
+def test_tune_cost_curve_fit_is_monotone_and_local():
+    """One slow timing is averaged with its neighbour, not carried to every larger call."""
+    from spectr_edge.tune import monotone_fit
+
+    fitted = monotone_fit([1.0, 1.0, 1.13, 1.03, 1.07, 1.11, 1.22, 1.49])     # the float32 tune of 2026-12-01
+    pooled = (1.13 + 1.03 + 1.07) / 3                                         # the three out-of-order points
+    assert list(fitted) == pytest.approx([1.0, 1.0, pooled, pooled, pooled, 1.11, 1.22, 1.49], abs=1e-9)
+    assert all(b >= a for a, b in zip(fitted, fitted[1:]))
+    assert list(monotone_fit([1.0, 1.2, 1.5])) == [1.0, 1.2, 1.5]             # already monotone: unchanged
