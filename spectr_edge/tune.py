@@ -101,7 +101,7 @@ def measure(gen, sizes=SIZES, repeats: int = 5, progress=print) -> dict:
         for k in DRAFT_ROWS[1:]:
             rows[k] = 1000 * _time_rows(gen.draft, past, k, repeats, vocab, rng)
             progress(f"draft decode step, {k} candidate rows: {rows[k]:.1f} ms ({rows[k] / d:.2f}x one row)")
-        ratios = np.maximum.accumulate(np.maximum([rows[k] / d for k in DRAFT_ROWS], 1.0))
+        ratios = monotone_fit(np.maximum([rows[k] / d for k in DRAFT_ROWS], 1.0))
         out["decode_rows_curve"] = [[k, round(float(r), 4)] for k, r in zip(DRAFT_ROWS, ratios)]
     return out
 
