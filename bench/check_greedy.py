@@ -21,7 +21,9 @@ def check_rows(rows: list[dict]) -> tuple[int, int, list[str]]:
 
     Returns (rows compared, rows that accepted draft tokens, descriptions of differences).
     Rows of spec_sweep.py (keys k, acceptance) or of run.py (config, accepted; spectr-edge rows only)."""
-    rows = [_normal(r) for r in rows if r.get("tool", "spectr-edge") == "spectr-edge" and "error" not in r]
+    rows = [_normal(r) for r in rows if r.get("tool", "spectr-edge") == "spectr-edge" and "error" not in r
+            and not (isinstance(r.get("config"), dict) and r["config"].get("unpadded"))]   # other numerics: a
+    # reference for speed (bench/run.py's "1-token calls" rows), not the target-only to compare with
     # a bundle tag ("... [int4 target]") means another bundle: compare with that bundle's target-only
     plain = {(r["prompt_id"], _tag(r)): r["token_ids"] for r in rows if r["temperature"] == 0 and r["k"] == 0}
     spec = [r for r in rows if r["temperature"] == 0 and r["k"] != 0]

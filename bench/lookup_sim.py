@@ -75,7 +75,8 @@ def main(argv=None) -> None:
     bundle = read_bundle(args.bundle)
     codec = TextCodec(bundle.tokenizer)
     entry = bundle.manifest["models"]["target"]
-    cost = CostCurve.for_quant(bundle.target.quant, entry.get("cost_curve")).floored(bundle.target.min_call_tokens)
+    cost = CostCurve.for_quant(bundle.target.quant, entry.get("cost_curve")).floored(bundle.target.min_call_tokens,
+                                                                                       bundle.target.call_multiple)
     table = None if args.no_table or bundle.lookup_table is None else NgramTable.load(bundle.lookup_table)
     prompts = {str(q["id"]): q["prompt"] for q in harness.load_questions()}
     paths = args.raw or sorted(BENCH.glob("results/*/raw.json"))

@@ -32,6 +32,8 @@ def main(argv=None) -> None:
     ap.add_argument("src")
     ap.add_argument("dst")
     ap.add_argument("--target-quant", choices=["int8", "int4"], default="int4")
+    ap.add_argument("--block-size", type=int, default=quantize.INT4_BLOCK_SIZE, help="int4: weights per scale")
+    ap.add_argument("--symmetric", action="store_true", help="int4: no zero points (the layout before stop 12)")
     args = ap.parse_args(argv)
     src, dst = Path(args.src).resolve(), Path(args.dst)
     if dst.exists():
@@ -48,12 +50,24 @@ def main(argv=None) -> None:
     out_file = tmp / target["file"]
     out_file.parent.mkdir(parents=True, exist_ok=True)
     print(f"quantizing {src / target['file']} to {args.target_quant} ...", flush=True)
-    quantize.quantize(src / target["file"], out_file, args.target_quant)
+    quantize.quantize(src / target["file"], out_file, args.target_quant, args.block_size,
+                      symmetric=args.symmetric or quantize.INT4_SYMMETRIC)
+    if args.target_quant == "int4":
+        target["quant_block_size"] = args.block_size
+        target["quant_symmetric"] = args.symmetric or quantize.INT4_SYMMETRIC
     target.update(quant=args.target_quant,
                   size_bytes=sum(f.stat().st_size for f in onnx_export.model_files(out_file)))
     target.pop("parity_max_abs_diff", None)   # measured for the float32 graph, not this one
+    # tune's results (cost curves, draft costs relative to the target, chosen defaults) were measured
+    # with the float32 target: run `spectr-edge tune --bundle DST` for this one
+    for key in ("tuning", "defaults"):
+        manifest.pop(key, None)
+    target.pop("cost_curve", None)
+    for key in ("decode_cost", "decode_rows_curve"):
+        manifest["models"].get("draft", {}).pop(key, None)
     if quantize.min_call_tokens(out_file) > 1:
         target["min_call_tokens"] = quantize.min_call_tokens(out_file)   # int4: same numerics in every call
+        target["call_token_multiple"] = quantize.call_token_multiple(out_file)
     manifest["name"] = f"{manifest.get('name', src.name)}-target-{args.target_quant}"
     (tmp / "spectr.json").write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, dst)

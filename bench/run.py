@@ -5,6 +5,7 @@
     .venv/bin/python bench/run.py --suite peers                           # spectr-edge vs ORT GenAI, HF, llama.cpp
     .venv/bin/python bench/run.py --suite adaptive                        # length rules, float32 and int4 targets
     .venv/bin/python bench/run.py --suite cpu                             # issue 6's bars: int4 per category vs peers
+    .venv/bin/python bench/run.py --suite int4-calls                      # int4: padded vs 1-token calls, two layouts
     .venv/bin/python bench/run.py --suite trees                           # issue 5: draft trees, tuned defaults
 
 Every method runs in a worker process (bench/workers/), one worker per tool configuration
@@ -175,6 +176,9 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
         adaptive = adaptive_method
         return [spectr(0.0, 0), spectr_default(0.0), adaptive(6, 0.5),
                 q(spectr(0.0, 0)), q(adaptive(6)), q(adaptive(6, 0.5)), q(lookup(0.0, "lookup"))]
+    if name == "int4-calls":  # int4 targets: padded vs 1-token calls, block 128 with zero points vs block 32
+        return [m for m in cpu_suite(other_bundle) if "int4" in m["name"] and "T=1" not in m["name"]
+                and m["tool"] == "spectr-edge"]
     if name == "cpu":       # issue 6's bars: int4 target per category, against ORT GenAI and llama.cpp, greedy
         return cpu_suite(other_bundle)
     if name == "trees":     # issue 5: draft trees and the tuned defaults, greedy and T=1 (tune both bundles first)
@@ -186,7 +190,8 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
                     "config": {"temperature": 0.0, "drafter": "model+lookup", "k": 1, "L": 6, "stop": 0.5,
                                "window": window}}
         return [spectr(0.0, 0), mpl(64), mpl(0)]
-    raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu, trees or window")
+    raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu, int4-calls, "
+                     "trees or window")
 
 
 def tree_method(temperature: float, budget: int, depth: int) -> dict:
@@ -215,26 +220,28 @@ def adaptive_method(L: int, stop: float = 0.0) -> dict:
 
 
 def cpu_suite(int4_bundle: str | None = None) -> list[dict]:
-    """Greedy, one group: the int4-target twin's drafters (each paired with that twin's own
-    target-only), ORT GenAI's int4 target alone and with its draft, llama.cpp's Q4 decode, and
-    the float32 bundle's target-only, default and tree rows. Fused attention and in-place cache
-    buffers on both bundles (export --add-tree-mask); tune both first (spectr-edge tune)."""
-    q = lambda m: {**on_bundle(m, int4_bundle or str(INT4_BUNDLE), "int4 target"),  # noqa: E731
-                   "own_baseline": None if m["baseline"] else "spectr-edge T=0 target-only [int4 target]"}
+    """Issue 6's bars in one run, one group: every target precision's default against its own
+    target-only, per category. The int4 bundle (block 128 with zero points, the export default
+    since stop 12) greedy and T=1, plus a 1-token-call reference (plain ONNX Runtime decoding,
+    other numerics than the padded calls); the stop-11 int4 bundle (block 32, symmetric); the float32
+    bundle; ORT GenAI's int4 target alone and with its draft; llama.cpp's Q4 decode. Tune the
+    bundles first (spectr-edge tune)."""
+    def q(m: dict, bundle: str = "", tag: str = "int4 target") -> dict:
+        t = m["temperature"]
+        return {**on_bundle(m, bundle or int4_bundle or str(INT4_BUNDLE), tag),
+                "own_baseline": None if m["baseline"] else f"spectr-edge T={t:g} target-only [{tag}]"}
     og, og_d = "ortgenai:qwen1.5b-int4", "ortgenai:qwen1.5b-int4+qwen0.5b-int4"
-    # stop 11: the rows that lost in the stop-10 run (model drafting on the int4 target) are left out;
-    # the A/B rows are lookup without the next-token table and the float32 default before the draft
-    # window (k=1 L=6 stop 0.5, the draft reading the whole prompt)
-    no_table = {**lookup(0.0, "lookup"), "name": "spectr-edge T=0 lookup, no table",
-                "config": {"temperature": 0.0, "drafter": "lookup", "table": False}}
-    old_default = {**spectr(0.0, 1, 6, stop=0.5, label="k=1 L=6 stop 0.5, whole prompt"),
-                   "config": {"temperature": 0.0, "k": 1, "L": 6, "stop": 0.5, "window": 0}}
-    return [q(spectr(0.0, 0)), q(spectr_default(0.0)), q(no_table),
+    unpadded = {**spectr(0.0, 0, label="target-only, 1-token calls"), "baseline": False,
+                "config": {"temperature": 0.0, "k": 0, "unpadded": True}}
+    b32 = lambda m: q(m, str(INT4_B32_BUNDLE), "int4 block-32 target")  # noqa: E731
+    return [q(spectr(0.0, 0)), q(spectr_default(0.0)), q(unpadded),
+            q(spectr(1.0, 0)), q(spectr_default(1.0)),
+            b32(spectr(0.0, 0)), b32(spectr_default(0.0)),
             peer("ortgenai", og, "int4 target-only", 0.0),
             peer("ortgenai", og_d, "int4 + int4 draft, 4 tokens", 0.0, {"speculative": "draft", "max_draft_tokens": 4},
                  own="int4 target-only"),
             peer("llama.cpp", "llamacpp", "Q4 target-only", 0.0),
-            spectr(0.0, 0), spectr_default(0.0), old_default]
+            spectr(0.0, 0), spectr_default(0.0)]
 
 
 GGUF = Path(os.environ.get("SPECTR_GGUF_DIR", "~/.cache/spectr-edge/gguf")).expanduser()
@@ -242,6 +249,7 @@ TARGET_GGUF, DRAFT_GGUF = "Qwen2.5-Coder-1.5B-Instruct.gguf", "Qwen2.5-Coder-0.5
 ORTGENAI = Path(os.environ.get("ORTGENAI_MODELS", "~/.cache/spectr-edge/peers/ortgenai")).expanduser()
 STOP_IDS = "151645,151643"   # spectr-edge's stop ids for Qwen2.5 (<|im_end|>, <|endoftext|>); peers get the same
 INT4_BUNDLE = BENCH.parent / "models" / "default-int4"
+INT4_B32_BUNDLE = BENCH.parent / "models" / "default-int4-b32"   # the int4 layout before stop 12
 SETUP = {"llamacpp": "bash bench/peers/llamacpp_setup.sh", "ortgenai": "bash bench/peers/ortgenai_setup.sh"}
 
 
@@ -403,6 +411,7 @@ def main(argv=None) -> None:
     methods = suite(args.suite, args.all_configs, args.tree_bundle)
     subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1", "peers": "stratified-1",
                                "adaptive": "stratified-1", "cpu": "stratified-2", "window": "stratified-2",
+                               "int4-calls": "stratified-2",
                                "trees": "stratified-1"}.get(
         args.suite, "stratified-4")
     if args.quick:

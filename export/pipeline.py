@@ -154,7 +154,8 @@ def _read_config(model_dir: Path) -> dict:
 
 
 def _place(role: str, g: Graph, quant: str, bundle: Path, progress: Progress, ids: np.ndarray,
-           tok: tokenizer_fix.TokenizerInfo, source: str, move: bool) -> dict:
+           tok: tokenizer_fix.TokenizerInfo, source: str, move: bool,
+           block_size: int = quantize.INT4_BLOCK_SIZE) -> dict:
     """Put role/model.onnx (+ data) into the bundle, quantized from g or g itself; its manifest entry."""
     dst = bundle / role / "model.onnx"
     io, parity = g.io, g.parity
@@ -166,7 +167,7 @@ def _place(role: str, g: Graph, quant: str, bundle: Path, progress: Progress, id
             (shutil.move if move else shutil.copy2)(str(f), str(dst.parent / f.name))
     else:
         with progress.step(f"quantizing {role} to {quant}"):
-            untied = quantize.quantize(g.path, dst, quant)
+            untied = quantize.quantize(g.path, dst, quant, block_size)
             if untied:
                 progress.log(f"      gave the tied lm_head its own weight so it is quantized too ({untied} MatMul)")
             io, parity = onnx_export.read_io(dst, g.config), None
@@ -177,8 +178,11 @@ def _place(role: str, g: Graph, quant: str, bundle: Path, progress: Progress, id
             progress.log(f"      greedy top-1 agreement {quant} vs float32 on the probe: {agree:.2f} ({len(ids)} tokens)")
     files = onnx_export.model_files(dst)
     entry = writer.model_entry(role, files, bundle, io, g.config, tok, source, quant, parity)
+    if quant == "int4":
+        entry.update(quant_block_size=block_size, quant_symmetric=quantize.INT4_SYMMETRIC)
     if role == "target" and quant != "none" and quantize.min_call_tokens(dst) > 1:
         entry["min_call_tokens"] = quantize.min_call_tokens(dst)
+        entry["call_token_multiple"] = quantize.call_token_multiple(dst)
     return entry
 
 
@@ -211,16 +215,21 @@ def _total_steps(plan: Plan, tree: bool = False) -> int:
 def export_bundle(out: str | Path, *, target: str | None = None, draft: str | None = None,
                   preset: str | None = None, target_quant: str = "none", draft_quant: str = "none",
                   overwrite: bool = False, tree_mask: bool = True,
+                  int4_block_size: int = quantize.INT4_BLOCK_SIZE,
                   log: Callable[[str], None] = _stderr) -> Path:
     """Export a target (and optional draft, or "self" = quantized target) into a bundle at out.
 
     Sources: local HF directory, .gguf file, optimum ONNX directory, hub id, or preset=NAME
     (see PRESETS). target_quant / draft_quant: none | int8 | int4 (draft="self" defaults to int4).
     tree_mask: rewrite each graph to take a 4D attention mask, for tree verification (export/tree_mask.py).
+    int4_block_size: weights per scale and zero point of int4 graphs (32, 64, 128 or 256).
     Raises ExportError (one line) on any user-fixable problem; out is then left untouched.
     """
     out = Path(out).expanduser().absolute()
     plan = _plan(target, draft, preset, target_quant, draft_quant, out)
+    if int4_block_size not in quantize.INT4_BLOCK_SIZES:
+        raise ExportError(f"int4 block size {int4_block_size} is not supported; choose one of "
+                          f"{', '.join(map(str, quantize.INT4_BLOCK_SIZES))}")
     progress = Progress(log, _total_steps(plan, tree_mask))
     t_start = time.perf_counter()
     with writer.staging(out, overwrite) as bundle:
@@ -245,12 +254,15 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
         d_graph = _fp32_graph("draft", d_src, work, progress, ids) if d_src else None
         if plan.draft == "self":  # quantize from the float32 target before it is moved into place
             entries["draft"] = _place("draft", t_graph, plan.draft_quant, bundle, progress, ids, t_tok,
-                                      f"{plan.draft_quant} of the target ({t_src.description})", move=False)
+                                      f"{plan.draft_quant} of the target ({t_src.description})", move=False,
+                                      block_size=int4_block_size)
         entries["target"] = _place("target", t_graph, plan.target_quant, bundle, progress, ids, t_tok,
-                                   t_src.description, move=t_src.kind == "hf")
+                                   t_src.description, move=t_src.kind == "hf",
+                                   block_size=int4_block_size)
         if d_graph is not None:
             entries["draft"] = _place("draft", d_graph, plan.draft_quant, bundle, progress, ids, d_tok,
-                                      d_src.description, move=d_src.kind == "hf")
+                                      d_src.description, move=d_src.kind == "hf",
+                                      block_size=int4_block_size)
 
         if tree_mask:
             entries = {role: _add_tree_mask(role, e, bundle, progress, ids) for role, e in entries.items()}

@@ -57,6 +57,8 @@ class ModelSpec:
     attention: str = "unfused"            # "gqa": fused GroupQueryAttention, cache buffers updated in place
     min_call_tokens: int = 1              # 2: the kernels round a 1-token call differently (int4 MatMulNBits
                                           # with int8 activations), so every call scores >= 2 tokens
+    call_multiple: int = 1                # 2: they also round a lone last row of an odd-sized call so
+                                          # (block 128 with zero points): batch-1 calls score an even count
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ def _model_spec(bundle: Path, role: str, m: dict) -> ModelSpec:
             tree_mask=_tree_mask(m.get("tree_mask"), where), source=str(m.get("source", "")),
             size_bytes=m.get("size_bytes"), attention=_attention(m.get("attention"), m.get("tree_mask"), where),
             min_call_tokens=int(m.get("min_call_tokens", 1)),
+            call_multiple=max(1, int(m.get("call_token_multiple", 1))),
         )
     except (TypeError, ValueError) as err:
         raise BundleError(f"spectr.json entry {where} is malformed ({err}); re-export the bundle") from None

@@ -140,12 +140,17 @@ def info(bundle):
             click.echo("draft: none (target-only and prompt-lookup decoding)")
             continue
         click.echo(f"{spec.role}: {spec.source or spec.file.name}")
+        entry = b.manifest["models"][spec.role]
+        quant = spec.quant + (f" (block {entry['quant_block_size']}"
+                              + (", zero points)" if not entry.get("quant_symmetric", True) else ")")
+                              if "quant_block_size" in entry else "")
         click.echo(f"  {spec.num_layers} layers, {spec.num_kv_heads} kv heads x {spec.head_dim}, "
-                   f"{spec.dtype}, quant {spec.quant}, context {spec.context_length}, "
+                   f"{spec.dtype}, quant {quant}, context {spec.context_length}, "
                    f"logits width {spec.logits_width}, files {_size(spec.file)}")
         click.echo(f"  tree verification: {'yes' if spec.tree_mask else 'no (spectr-edge export --add-tree-mask)'}"
                    f"; attention: {'fused, cache updated in place' if spec.attention == 'gqa' else 'unfused'}"
-                   + (f"; every call scores >= {spec.min_call_tokens} tokens" if spec.min_call_tokens > 1 else ""))
+                   + (f"; every call scores >= {spec.min_call_tokens} tokens" if spec.min_call_tokens > 1 else "")
+                   + (f", a multiple of {spec.call_multiple}" if spec.call_multiple > 1 else ""))
     t = b.tokenizer
     click.echo(f"tokenizer: {t.vocab_size} tokens, eos ids {list(t.eos_token_ids)}, "
                f"chat template {'yes' if t.chat_template else 'no'}")
@@ -219,6 +224,9 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
 @click.option("--out", required=True, type=click.Path(), help="Bundle directory to write.")
 @click.option("--target-quant", type=click.Choice(["none", "int8", "int4"]), default=None)
 @click.option("--draft-quant", type=click.Choice(["none", "int8", "int4"]), default=None)
+@click.option("--int4-block-size", type=click.Choice(["32", "64", "128", "256"]), default=None,
+              help="Weights per scale and zero point of int4 graphs (default 128; 32 is more accurate and "
+                   "~1.3x slower to decode on a CPU).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
 @click.option("--no-tree-mask", is_flag=True, help="Keep the 2D attention mask (no tree verification).")
 @click.option("--add-tree-mask", is_flag=True,
@@ -227,8 +235,8 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
 @click.option("--add-lookup-table", is_flag=True,
               help="Add prompt lookup's static next-token table to the existing bundle at --out (seconds; "
                    "new exports have it).")
-def export(target, draft, preset, out, target_quant, draft_quant, overwrite, no_tree_mask, add_tree_mask,
-           add_lookup_table):
+def export(target, draft, preset, out, target_quant, draft_quant, int4_block_size, overwrite, no_tree_mask,
+           add_tree_mask, add_lookup_table):
     """Export a target (and draft) model into a bundle."""
     if add_lookup_table:
         if preset or target or add_tree_mask:
@@ -257,6 +265,8 @@ def export(target, draft, preset, out, target_quant, draft_quant, overwrite, no_
         _fail(f"export needs the export extra ({err.name or err} is missing): "
               "pip install torch==2.13.0 && pip install -e '.[export]'")
     options = {k: v for k, v in dict(target_quant=target_quant, draft_quant=draft_quant).items() if v}
+    if int4_block_size:
+        options["int4_block_size"] = int(int4_block_size)
     path = exporter.export_bundle(out, target=target, draft=draft, preset=preset, overwrite=overwrite,
                                   tree_mask=not no_tree_mask, **options)
     click.echo(f"bundle written to {path}")

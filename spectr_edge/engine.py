@@ -47,7 +47,8 @@ class Engine:
     def __init__(self, target: OnnxLM, draft: OnnxLM | None, vocab_size: int, cost: CostCurve | None = None,
                  draft_cost: float = 0.15, draft_rows: CostCurve | None = None):
         self.target, self.draft, self.vocab_size = target, draft, vocab_size
-        self.cost = (cost or CostCurve.for_quant(target.spec.quant)).floored(target.spec.min_call_tokens)
+        self.cost = (cost or CostCurve.for_quant(target.spec.quant)).floored(target.spec.min_call_tokens,
+                                                                             target.spec.call_multiple)
         self.draft_cost = draft_cost      # one drafted token, in target single-token decodes
         # a draft call over k rows, relative to one row (MatMulNBits cost grows with rows like with tokens)
         self.draft_rows = draft_rows or CostCurve.for_quant(draft.spec.quant if draft is not None else "none")

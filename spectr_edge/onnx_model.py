@@ -73,6 +73,13 @@ def _session_options(threads: int | None, spinning: bool) -> ort.SessionOptions:
     return opts
 
 
+def call_tokens(spec: ModelSpec, new: int) -> int:
+    """How many tokens a batch-1 call scoring `new` tokens really scores: at least min_call_tokens,
+    rounded up to a multiple of call_multiple (see ModelSpec; the rest is padding)."""
+    want = max(new, spec.min_call_tokens)
+    return -(-want // spec.call_multiple) * spec.call_multiple
+
+
 class OnnxLM:
     """One exported causal LM in one ONNX Runtime session."""
 
@@ -140,7 +147,7 @@ class OnnxLM:
         """
         spec = self.spec
         batch, new = input_ids.shape
-        pad = spec.min_call_tokens - new if batch == 1 else 0
+        pad = call_tokens(spec, new) - new if batch == 1 else 0
         if pad > 0:
             return self._forward_padded(input_ids, cache, tree, depth, pad, past_mask)
         past = cache.length
@@ -176,7 +183,8 @@ class OnnxLM:
         """Score `new` tokens in a call of new + pad rows, then drop the padding's logits and cache.
 
         For graphs whose kernels take another path (other rounding) for a 1-token call than for
-        longer ones: every call then computes the same numerics, so a token's logits do not depend
+        longer ones, or for the lone last row of an odd-sized call (call_tokens): every call then
+        computes the same numerics, so a token's logits do not depend
         on whether it was decoded alone or verified in a block, and greedy equality is exact.
         The padding repeats the last token after the real ones; causal attention keeps the real
         rows from seeing it.

@@ -42,14 +42,17 @@ class CostCurve:
     def for_quant(cls, quant: str, measured=None) -> "CostCurve":
         return cls(measured or DEFAULT_COST_CURVES.get(quant, DEFAULT_COST_CURVES["none"]))
 
-    def floored(self, min_tokens: int) -> "CostCurve":
-        """The curve when every call scores at least min_tokens (the runtime pads shorter calls),
-        relative to such a padded single-token decode."""
-        if min_tokens <= 1:
+    def floored(self, min_tokens: int, multiple: int = 1) -> "CostCurve":
+        """The curve when every call scores at least min_tokens, rounded up to a multiple of
+        `multiple` (the runtime pads the rest), relative to such a padded single-token decode."""
+        if min_tokens <= 1 and multiple <= 1:
             return self
-        base = self(min_tokens)
-        points = [(1, 1.0)] + [(int(n), c / base) for n, c in zip(self.n, self.c) if n > min_tokens]
-        return CostCurve(points + [(min_tokens, 1.0)])
+        real = lambda n: -(-max(n, min_tokens) // multiple) * multiple  # noqa: E731
+        base = self(real(1))
+        if multiple <= 1:
+            points = [(1, 1.0)] + [(int(n), c / base) for n, c in zip(self.n, self.c) if n > min_tokens]
+            return CostCurve(points + [(min_tokens, 1.0)])
+        return CostCurve([(n, self(real(n)) / base) for n in range(1, int(self.n[-1]) + 1)])
 
     def __call__(self, n: int) -> float:
         if n <= self.n[-1]:

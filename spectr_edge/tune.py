@@ -178,7 +178,8 @@ def choose(gen, tokens: int = CALIBRATION_TOKENS, prompts=None, progress=print) 
 
 def apply(gen, result: dict) -> None:
     """Make the loaded generator predict costs with the just-measured curve and draft costs."""
-    gen.engine.cost = CostCurve(result["cost_curve"]).floored(gen.target.spec.min_call_tokens)
+    gen.engine.cost = CostCurve(result["cost_curve"]).floored(gen.target.spec.min_call_tokens,
+                                                              gen.target.spec.call_multiple)
     if "decode_cost" in result:
         gen.engine.draft_cost = result["decode_cost"]
         gen.engine.draft_rows = CostCurve(result["decode_rows_curve"])

@@ -130,3 +130,7 @@ def test_check_greedy_compares_each_bundle_with_its_own_target_only():
     rows.append(row("spectr-edge T=0 k=1 L=3 [int4 target]", 1, [1, 2, 3], 1))   # fp32's tokens: a difference
     compared, accepting, failures = check_greedy.check_rows(rows)
     assert compared == 3 and len(failures) == 1 and "first difference at token 2" in failures[0]
+    # a 1-token-call reference row (other numerics) is neither the target-only to compare with nor compared
+    unpadded = row("spectr-edge T=0 target-only, 1-token calls [int4 target]", 0, [1, 2, 5])
+    unpadded["config"]["unpadded"] = True
+    assert check_greedy.check_rows(rows + [unpadded]) == (compared, accepting, failures)

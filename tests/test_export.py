@@ -206,14 +206,21 @@ def test_fresh_export_logs_numbered_steps(tmp_path, request, arch, draft_quant, 
     assert 0 <= m["models"]["target"]["parity_max_abs_diff"] < 1e-3
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_quantized_target_runs(tmp_path, onnx_dir, quant):
-    """Quantized bundles load in ORT and their target runs, the tied lm_head quantized too."""
+@pytest.mark.parametrize("quant, block", [("int8", None), ("int4", None), ("int4", 32)])
+def test_quantized_target_runs(tmp_path, onnx_dir, quant, block):
+    """Quantized bundles load in ORT and their target runs, the tied lm_head quantized too; int4
+    graphs have the block size asked for (default 128, with zero points) and the manifest says so."""
     import onnx
 
     lines = []
-    out = export_bundle(tmp_path / "b", target=str(onnx_dir), target_quant=quant, log=lines.append)
+    out = export_bundle(tmp_path / "b", target=str(onnx_dir), target_quant=quant, log=lines.append,
+                        **({"int4_block_size": block} if block else {}))
     e = manifest(out)["models"]["target"]
+    if quant == "int4":
+        assert (e["quant_block_size"], e["quant_symmetric"], e["min_call_tokens"], e["call_token_multiple"]) \
+            == (block or 128, False, 2, 2)
+    else:
+        assert "quant_block_size" not in e
     assert (e["quant"], e["parity_max_abs_diff"], e["logits_width"]) == (quant, None, 512)
     assert "draft" not in manifest(out)["models"]
     assert any("greedy top-1 agreement" in ln for ln in lines)
@@ -228,6 +235,9 @@ def test_quantized_target_runs(tmp_path, onnx_dir, quant):
     assert not [n for n in graph.node if n.op_type == "Transpose" and "model.embed_tokens.weight" in n.input]
     ops = {n.op_type for n in graph.node}
     assert ("MatMulNBits" in ops) if quant == "int4" else ("MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops)
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert {a.i for n in nbits for a in n.attribute if a.name == "block_size"} == ({block or 128} if nbits else set())
+    assert all(len(n.input) >= 4 and n.input[3] for n in nbits)    # zero points
 
 
 def test_parity_failure_is_an_error(tmp_path, tiny_llama_dir, monkeypatch):
@@ -328,7 +338,9 @@ def test_bad_sources_are_one_line_errors(tmp_path):
             export_bundle(tmp_path / "b", target=src, log=lambda s: None)
         assert "\n" not in str(err.value)
     for kwargs, pattern in [(dict(preset="nope"), "unknown preset"), (dict(target="x", target_quant="int3"), "unknown quant"),
-                            (dict(preset="smollm2", target="x"), "either a preset"), (dict(), "no target")]:
+                            (dict(preset="smollm2", target="x"), "either a preset"), (dict(), "no target"),
+                            (dict(target=str(tmp_path / "empty"), target_quant="int4", int4_block_size=48),
+                             "int4 block size 48 is not supported; choose one of 32, 64, 128, 256")]:
         with pytest.raises(ExportError, match=pattern):
             export_bundle(tmp_path / "b", log=lambda s: None, **kwargs)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.gguf"]

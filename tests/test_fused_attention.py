@@ -154,29 +154,54 @@ def tiny_int4(tiny_qwen_bundle, tmp_path_factory):
     return out
 
 
-def test_int4_target_pads_single_token_calls(tiny_int4):
+def _padded_and_raw(bundle):
+    """The bundle's int4 target as the runtime calls it (padded), and with every call as asked (raw)."""
     import dataclasses
 
-    spec = read_bundle(tiny_int4).target
+    spec = read_bundle(bundle).target
+    return spec, OnnxLM(spec, provider="cpu", threads=1), OnnxLM(
+        dataclasses.replace(spec, min_call_tokens=1, call_multiple=1), provider="cpu", threads=1)
+
+
+def _call_after_past(model, ids, n: int, then: int) -> np.ndarray:
+    """Logits # [n, width] of one call scoring ids[10:10 + n] after a 10-token past; then `then`
+    1-token decodes, checking that padding left no trace in the cache."""
+    cache = model.new_cache()
+    model.forward(ids[:, :10], cache)
+    logits = model.forward(ids[:, 10:10 + n], cache)
+    assert logits.shape[1] == n and cache.length == 10 + n
+    for _ in range(then):
+        model.forward(ids[:, cache.length:cache.length + 1], cache)
+    assert cache.length == 10 + n + then
+    return logits[0]
+
+
+def test_int4_target_pads_single_token_calls(tiny_int4):
+    spec, padded, raw = _padded_and_raw(tiny_int4)
     assert spec.quant == "int4" and spec.min_call_tokens == 2 and spec.attention == "gqa"
-    padded = OnnxLM(spec, provider="cpu", threads=1)
-    raw = OnnxLM(dataclasses.replace(spec, min_call_tokens=1), provider="cpu", threads=1)
     ids = (np.arange(24) * 17 % 400).astype(np.int64)[None]                      # [1, 24]
-    got = {}
-    for name, model, n in (("padded 1", padded, 1), ("raw 2", raw, 2), ("raw 1", raw, 1)):
-        cache = model.new_cache()
-        model.forward(ids[:, :10], cache)
-        logits = model.forward(ids[:, 10:10 + n], cache)
-        assert logits.shape[1] == n and cache.length == 10 + n                   # padding left no trace
-        got[name] = logits[0, 0]
-        for _ in range(4):                                                       # and decoding goes on
-            model.forward(ids[:, cache.length:cache.length + 1], cache)
-        assert cache.length == 10 + n + 4
+    got = {name: _call_after_past(model, ids, n, then=4)[0]
+           for name, model, n in (("padded 1", padded, 1), ("raw 2", raw, 2), ("raw 1", raw, 1))}
     # a padded 1-token call computes exactly what a 2-token call computes for its first token
     assert np.array_equal(got["padded 1"], got["raw 2"])
     # (on the real 1.5B target an unpadded 1-token call differs by ~0.17; on this tiny one by
     # float rounding at most)
     assert np.abs(got["raw 1"] - got["raw 2"]).max() < 1e-2
+
+
+def test_int4_target_pads_odd_calls_to_even(tiny_int4):
+    """Block-128 int4 with zero points: the kernel computes rows in pairs and a lone last row like a
+    1-token call (0.27 on the real 1.5B target, 9e-6 on this tiny one), so batch-1 calls score an
+    even number of tokens."""
+    from spectr_edge.onnx_model import call_tokens
+
+    spec, padded, raw = _padded_and_raw(tiny_int4)
+    assert (spec.min_call_tokens, spec.call_multiple) == (2, 2)
+    assert [call_tokens(spec, n) for n in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, 6]
+    ids = (np.arange(24) * 13 % 400).astype(np.int64)[None]                      # [1, 24]
+    got = {name: _call_after_past(model, ids, n, then=1)[:3]
+           for name, model, n in (("padded 3", padded, 3), ("raw 4", raw, 4), ("padded 5", padded, 5))}
+    assert np.array_equal(got["padded 3"], got["raw 4"]) and np.array_equal(got["padded 5"], got["raw 4"])
 
 
 def test_int4_target_greedy_equality(tiny_int4):

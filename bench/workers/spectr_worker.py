@@ -8,12 +8,16 @@ stderr). The worker first sends {"ready": true, "info": {...versions...}}. A req
 {"id", "result": {...measurements...}} or {"id", "error": "one line"}. An empty line or EOF ends it.
 
 config keys for spectr-edge: temperature, k (0 = target-only), L, stop (draft_stop), top_k, top_p,
-drafter (model | lookup | model+lookup), adaptive (bool), tree (tree_budget: a draft tree of that many nodes).
+drafter (model | lookup | model+lookup), adaptive (bool), tree (tree_budget: a draft tree of that many nodes),
+window (draft_window), table (false: lookup without the bundle's next-token table), unpadded (true: a
+min_call_tokens-2 target decodes in 1-token calls (no padding at all), as plain ONNX Runtime would; other numerics, so
+only for target-only reference rows).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -77,13 +81,15 @@ def main() -> None:
             kwargs["tree_budget"] = c["tree"]
         if "window" in c:
             kwargs["draft_window"] = c["window"]
-        table = gen.engine.lookup_table
+        table, spec = gen.engine.lookup_table, gen.target.spec
         if c.get("table") is False:          # A/B: prompt lookup without the bundle's next-token table
             gen.engine.lookup_table = None
+        if c.get("unpadded"):                # reference: what 1-token calls of this graph cost
+            gen.target.spec = dataclasses.replace(spec, min_call_tokens=1, call_multiple=1)
         try:
             res = gen.generate_ids(req["prompt_ids"], **kwargs)
         finally:
-            gen.engine.lookup_table = table
+            gen.engine.lookup_table, gen.target.spec = table, spec
         s = res.stats
         return {"new_tokens": s.new_tokens, "seconds": s.seconds_total, "ttft_s": s.seconds_first_token,
                 "target_calls": s.target_calls, "draft_calls": s.draft_calls, "accepted": s.accepted,
