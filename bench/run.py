@@ -177,8 +177,14 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
         return [spectr(0.0, 0), spectr_default(0.0), adaptive(6, 0.5),
                 q(spectr(0.0, 0)), q(adaptive(6)), q(adaptive(6, 0.5)), q(lookup(0.0, "lookup"))]
     if name == "int4-calls":  # int4 targets: padded vs 1-token calls, block 128 with zero points vs block 32
-        return [m for m in cpu_suite(other_bundle) if "int4" in m["name"] and "T=1" not in m["name"]
+        int4 = [m for m in cpu_suite(other_bundle) if "int4" in m["name"] and "T=1" not in m["name"]
                 and m["tool"] == "spectr-edge"]
+        own = "spectr-edge T=0 target-only [int4 target]"
+        hybrid = {**lookup(0.0, "model+lookup"), "name": "spectr-edge T=0 model+lookup adaptive",
+                  "config": {"temperature": 0.0, "drafter": "model+lookup", "k": 1, "L": 6, "adaptive": True}}
+        extra = [{**on_bundle(m, other_bundle or str(INT4_BUNDLE), "int4 target"), "own_baseline": own}
+                 for m in (lookup(0.0, "lookup"), hybrid)]   # tune's two closest greedy choices
+        return int4[:3] + extra + int4[3:]
     if name == "cpu":       # issue 6's bars: int4 target per category, against ORT GenAI and llama.cpp, greedy
         return cpu_suite(other_bundle)
     if name == "trees":     # issue 5: draft trees and the tuned defaults, greedy and T=1 (tune both bundles first)
