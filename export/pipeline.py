@@ -227,9 +227,7 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
     """
     out = Path(out).expanduser().absolute()
     plan = _plan(target, draft, preset, target_quant, draft_quant, out)
-    if int4_block_size not in quantize.INT4_BLOCK_SIZES:
-        raise ExportError(f"int4 block size {int4_block_size} is not supported; choose one of "
-                          f"{', '.join(map(str, quantize.INT4_BLOCK_SIZES))}")
+    quantize.check_block_size(int4_block_size)   # before anything is written
     progress = Progress(log, _total_steps(plan, tree_mask))
     t_start = time.perf_counter()
     with writer.staging(out, overwrite) as bundle:

@@ -110,6 +110,12 @@ def min_call_tokens(path: Path) -> int:
     return 1
 
 
+def check_block_size(block_size: int) -> None:
+    if block_size not in INT4_BLOCK_SIZES:
+        raise ExportError(f"int4 block size {block_size} is not supported; choose one of "
+                          f"{', '.join(map(str, INT4_BLOCK_SIZES))}")
+
+
 def call_token_multiple(path: Path) -> int:
     """2 when min_call_tokens is 2: the same kernel computes activation rows in pairs, and the lone
     last row of an odd-sized call takes the 1-row path (measured on the 1.5B target with 128-weight
@@ -130,9 +136,7 @@ def quantize(src: Path, dst: Path, quant: str, block_size: int = INT4_BLOCK_SIZE
 
     if quant not in ("int8", "int4"):
         raise ExportError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTS)}")
-    if block_size not in INT4_BLOCK_SIZES:
-        raise ExportError(f"int4 block size {block_size} is not supported; choose one of "
-                          f"{', '.join(map(str, INT4_BLOCK_SIZES))}")
+    check_block_size(block_size)
     model = onnx.load(str(src))
     untied = untie_lm_head(model)
     large = _weight_bytes(model) > EXTERNAL_DATA_BYTES

@@ -94,6 +94,9 @@ def test_cost_curve_floored_for_padded_calls():
     assert padded(1) == padded(2) == 1.0
     assert padded(4) == pytest.approx(2.0 / 1.25) and padded(8) == pytest.approx(3.5 / 1.25)
     assert padded(16) == pytest.approx((3.5 + 8 * 0.375) / 1.25)      # extrapolated like the original
+    even = curve.floored(2, 2)         # odd calls are padded to the next even count too
+    assert even(1) == even(2) == 1.0 and even(3) == even(4) == pytest.approx(2.0 / 1.25)
+    assert even(5) == even(6) == pytest.approx(2.75 / 1.25) and even(8) == pytest.approx(3.5 / 1.25)
 
 
 # -- tune chooses the decoding defaults; generate uses them for options left unset ------------------
