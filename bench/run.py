@@ -247,7 +247,11 @@ def cpu_suite(int4_bundle: str | None = None) -> list[dict]:
             peer("ortgenai", og_d, "int4 + int4 draft, 4 tokens", 0.0, {"speculative": "draft", "max_draft_tokens": 4},
                  own="int4 target-only"),
             peer("llama.cpp", "llamacpp", "Q4 target-only", 0.0),
-            spectr(0.0, 0), spectr_default(0.0)]
+            spectr(0.0, 0), spectr_default(0.0)] + (
+        # the same float32 target with the block-32 draft of stops 9-12 (kept where it was built):
+        # what moving the draft to block 128 with zero points changed
+        [{**on_bundle(spectr_default(0.0), str(FP32_DRAFT32_BUNDLE), "block-32 draft"),
+          "own_baseline": "spectr-edge T=0 target-only"}] if FP32_DRAFT32_BUNDLE.exists() else [])
 
 
 GGUF = Path(os.environ.get("SPECTR_GGUF_DIR", "~/.cache/spectr-edge/gguf")).expanduser()
@@ -256,6 +260,7 @@ ORTGENAI = Path(os.environ.get("ORTGENAI_MODELS", "~/.cache/spectr-edge/peers/or
 STOP_IDS = "151645,151643"   # spectr-edge's stop ids for Qwen2.5 (<|im_end|>, <|endoftext|>); peers get the same
 INT4_BUNDLE = BENCH.parent / "models" / "default-int4"
 INT4_B32_BUNDLE = BENCH.parent / "models" / "default-int4-b32"   # the int4 layout before stop 12
+FP32_DRAFT32_BUNDLE = BENCH.parent / "models" / "default-draft-b32"   # models/default before stop 13
 SETUP = {"llamacpp": "bash bench/peers/llamacpp_setup.sh", "ortgenai": "bash bench/peers/ortgenai_setup.sh"}
 
 

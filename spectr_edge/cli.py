@@ -203,7 +203,8 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
     if not no_choose:
         tuning.apply(gen, result)
         click.echo("choosing the decoding defaults: every candidate generates the calibration prompts "
-                   "(measured = wall-clock speedup over target-only, which decides; predicted = from the cost model)")
+                   "(measured = wall-clock speedup over target-only on the same prompt, geometric mean over the prompts, "
+                   "which decides; predicted = from the cost model)")
         try:
             choice = tuning.choose(gen, calibration_tokens or tuning.CALIBRATION_TOKENS, progress=click.echo)
         except ValueError as err:

@@ -134,3 +134,8 @@ def test_check_greedy_compares_each_bundle_with_its_own_target_only():
     unpadded = row("spectr-edge T=0 target-only, 1-token calls [int4 target]", 0, [1, 2, 5])
     unpadded["config"]["unpadded"] = True
     assert check_greedy.check_rows(rows + [unpadded]) == (compared, accepting, failures)
+    # a tag without a target-only of its own (another draft, same target) is compared with the untagged one
+    other_draft = row("spectr-edge T=0 default [block-32 draft]", None, [1, 2, 3], 2)
+    assert check_greedy.check_rows(rows + [other_draft]) == (compared + 1, accepting + 1, failures)
+    other_draft["token_ids"] = [1, 2, 4]
+    assert len(check_greedy.check_rows(rows + [other_draft])[2]) == 2

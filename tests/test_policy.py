@@ -172,3 +172,45 @@ def test_tune_cost_curve_fit_is_monotone_and_local():
     assert list(fitted) == pytest.approx([1.0, 1.0, pooled, pooled, pooled, 1.11, 1.22, 1.49], abs=1e-9)
     assert all(b >= a for a, b in zip(fitted, fitted[1:]))
     assert list(monotone_fit([1.0, 1.2, 1.5])) == [1.0, 1.2, 1.5]             # already monotone: unchanged
+
+
+def test_tune_race_interleaves_and_settles_near_ties(monkeypatch):
+    """The choice statistics of `tune` on a scripted machine (the ONNX runs are covered above): every
+    prompt's sweep runs target-only before and after the candidates, speedups are per prompt
+    against that baseline, and the candidates within RACE_MARGIN of the best get a second pass.
+    The machine slows 2% per generation, so a candidate-by-candidate schedule would be off by tens
+    of percent; the bound checked is 3% of the true speedup."""
+    from types import SimpleNamespace
+
+    from spectr_edge import tune
+
+    speed = {"target only": 1.0, "prompt lookup": 1.25, "model k=1 L=3": 1.21, "model k=1 L=6": 0.9}
+    options = [{"num_candidates": 0}, {"drafter": "lookup"},
+               {"drafter": "model", "num_candidates": 1, "draft_len": 3},
+               {"drafter": "model", "num_candidates": 1, "draft_len": 6}]
+    monkeypatch.setattr(tune, "candidates", lambda gen: {"greedy": options, "sampling": options})
+    calls = []
+
+    def generate_ids(prompt, max_new_tokens, temperature, seed, **opts):
+        policy = tune.describe(opts)
+        calls.append((prompt[0], policy))
+        per_token = 0.05 * (1 + prompt[0] / 10) * (1 + 0.02 * len(calls)) / speed[policy]
+        st = SimpleNamespace(new_tokens=max_new_tokens, seconds_first_token=0.1, target_calls=max_new_tokens,
+                             seconds_total=0.1 + per_token * (max_new_tokens - 1), cost_units=max_new_tokens - 1)
+        return SimpleNamespace(stats=st)
+
+    gen = SimpleNamespace(generate_ids=generate_ids, engine=SimpleNamespace(context_length=1000), bundle=None)
+    prompts = [[p, 7, 7] for p in range(5)]
+    out = tune._choose(gen, 16, prompts, progress=lambda *_: None)
+    greedy = out["greedy"]
+    assert greedy["policy"] == "prompt lookup"
+    rows = {r["policy"]: r for r in greedy["candidates"]}
+    for policy, row in rows.items():
+        assert row["measured"] == pytest.approx(speed[policy], rel=0.03)
+    # the two within 10% of the best raced again; the slow one and the baseline ran once
+    assert [rows[p]["passes"] for p in speed] == [1, 2, 2, 1]
+    assert len(rows["prompt lookup"]["per_prompt"]) == 10 and len(rows["model k=1 L=6"]["per_prompt"]) == 5
+    # per prompt: target-only, the candidates, target-only again
+    first = [c for c in calls[:6]]
+    assert first == [(0, "target only"), (0, "prompt lookup"), (0, "model k=1 L=3"), (0, "model k=1 L=6"),
+                     (0, "target only"), (1, "target only")]
