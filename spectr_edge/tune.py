@@ -205,12 +205,16 @@ def _run_prompt(gen, prompt, options, tokens, temperature, seed) -> dict | None:
             "seconds": st.seconds_total - st.seconds_first_token, "calls": st.target_calls - 1}
 
 
-def _sweep(gen, prompts, options_list, tokens, temperature, runs: dict, ratios: dict) -> None:
+def _sweep(gen, prompts, options_list, tokens, temperature, runs: dict, ratios: dict,
+           progress=lambda _: None, title: str = "") -> None:
     """One pass: per prompt, target-only, then every candidate, then target-only again (drift over
     the sweep hits the baseline as it hits the candidates); appends each candidate's per-prompt
     speedup (mean baseline seconds per token over its own) to ratios[i] and its counts to runs[i]."""
     base = {"num_candidates": 0}
+    started = time.perf_counter()
     for p, prompt in enumerate(prompts):
+        if p:
+            progress(f"  {title}: prompt {p + 1} of {len(prompts)} ({time.perf_counter() - started:.0f} s so far)")
         seed = 1234 + p
         before = _run_prompt(gen, prompt, base, tokens, temperature, seed)
         got = {i: _run_prompt(gen, prompt, options_list[i], tokens, temperature, seed)
@@ -243,7 +247,8 @@ def _choose(gen, tokens, prompts, progress) -> dict:
         options_list = candidates(gen)[regime]                   # [0] is target-only
         runs = {i: [] for i in range(len(options_list))}
         ratios = {i: [] for i in range(len(options_list))}
-        _sweep(gen, fits, options_list, tokens, temperature, runs, ratios)
+        _sweep(gen, fits, options_list, tokens, temperature, runs, ratios, progress,
+               f"{regime}, {len(options_list)} candidates")
         scores = {i: _geomean(ratios[i]) for i in runs}
         # the race: the candidates within RACE_MARGIN of the best are measured once more, interleaved
         # again, and decided on both passes (a one-pass near-tie is within this machine's noise)
@@ -254,7 +259,7 @@ def _choose(gen, tokens, prompts, progress) -> dict:
             progress(f"  {regime}: {len(finalists)} candidates within {RACE_MARGIN:.0%} of the best after one pass "
                      f"({', '.join(describe(options_list[i]) for i in finalists)}): measuring them again")
             _sweep(gen, fits, options_list, tokens, temperature, {i: runs[i] for i in finalists},
-                   {i: ratios[i] for i in finalists})
+                   {i: ratios[i] for i in finalists}, progress, f"{regime}, second pass")
             scores.update({i: _geomean(ratios[i]) for i in finalists})
         rows = []
         for i, options in enumerate(options_list):
