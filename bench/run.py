@@ -7,6 +7,7 @@
     .venv/bin/python bench/run.py --suite cpu                             # issue 6's bars: int4 per category vs peers
     .venv/bin/python bench/run.py --suite int4-calls                      # int4: padded vs 1-token calls, two layouts
     .venv/bin/python bench/run.py --suite trees                           # issue 5: draft trees, tuned defaults
+    .venv/bin/python bench/run.py --suite length                          # float32: model+lookup drafts of 6, 8, 10 tokens
 
 Every method runs in a worker process (bench/workers/), one worker per tool configuration
 that needs its own loaded models, so peers run in their own environments and each
@@ -196,8 +197,13 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
                     "config": {"temperature": 0.0, "drafter": "model+lookup", "k": 1, "L": 6, "stop": 0.5,
                                "window": window}}
         return [spectr(0.0, 0), mpl(64), mpl(0)]
+    if name == "length":    # issue 5, float32 target: longer model+lookup drafts now that the draft is cheaper
+        def mpl_len(L: int) -> dict:
+            return {**spectr(0.0, 1, L, stop=0.5, label=f"model+lookup k=1 L={L} stop 0.5"),
+                    "config": {"temperature": 0.0, "drafter": "model+lookup", "k": 1, "L": L, "stop": 0.5}}
+        return [spectr(0.0, 0), spectr_default(0.0), mpl_len(8), mpl_len(10)]
     raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu, int4-calls, "
-                     "trees or window")
+                     "trees, window or length")
 
 
 def tree_method(temperature: float, budget: int, depth: int) -> dict:
@@ -422,7 +428,7 @@ def main(argv=None) -> None:
     methods = suite(args.suite, args.all_configs, args.tree_bundle)
     subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1", "peers": "stratified-1",
                                "adaptive": "stratified-1", "cpu": "stratified-2", "window": "stratified-2",
-                               "int4-calls": "stratified-2",
+                               "int4-calls": "stratified-2", "length": "stratified-2",
                                "trees": "stratified-1"}.get(
         args.suite, "stratified-4")
     if args.quick:
