@@ -65,6 +65,17 @@ def lookup(temperature: float, drafter: str) -> dict:
             "baseline": False}
 
 
+def model_lookup(L: int, stop: float = 0.5, window: int | None = None) -> dict:
+    """Greedy prompt lookup before the draft model (k = 1, up to L tokens); window = the draft's
+    context window (None: the bundle's default)."""
+    label = f"model+lookup k=1 L={L} stop {stop:g}"
+    if window is not None:
+        label += f", draft window {window or 'whole prompt'}"
+    config = {"temperature": 0.0, "drafter": "model+lookup", "k": 1, "L": L, "stop": stop}
+    return {**spectr(0.0, 1, L, stop=stop, label=label),
+            "config": config if window is None else {**config, "window": window}}
+
+
 def spectr_default(temperature: float) -> dict:
     """The shipped defaults (no k/L/stop passed: what `spectr-edge generate` does)."""
     return {"name": f"spectr-edge T={temperature:g} default", "tool": "spectr-edge", "worker": "spectr",
@@ -191,17 +202,9 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
     if name == "trees":     # issue 5: draft trees and the tuned defaults, greedy and T=1 (tune both bundles first)
         return trees_suite(other_bundle)
     if name == "window":    # issue 6, float32 target: lookup before the model, and the draft's context window
-        def mpl(window: int) -> dict:
-            label = f"model+lookup k=1 L=6 stop 0.5, draft window {window or 'whole prompt'}"
-            return {**spectr(0.0, 1, 6, stop=0.5, label=label),
-                    "config": {"temperature": 0.0, "drafter": "model+lookup", "k": 1, "L": 6, "stop": 0.5,
-                               "window": window}}
-        return [spectr(0.0, 0), mpl(64), mpl(0)]
+        return [spectr(0.0, 0), model_lookup(6, window=64), model_lookup(6, window=0)]
     if name == "length":    # issue 5, float32 target: longer model+lookup drafts now that the draft is cheaper
-        def mpl_len(L: int) -> dict:
-            return {**spectr(0.0, 1, L, stop=0.5, label=f"model+lookup k=1 L={L} stop 0.5"),
-                    "config": {"temperature": 0.0, "drafter": "model+lookup", "k": 1, "L": L, "stop": 0.5}}
-        return [spectr(0.0, 0), spectr_default(0.0), mpl_len(8), mpl_len(10)]
+        return [spectr(0.0, 0), spectr_default(0.0), model_lookup(8), model_lookup(10)]
     raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu, int4-calls, "
                      "trees, window or length")
 

@@ -233,7 +233,7 @@ def _sweep(gen, prompts, options_list, tokens, temperature, runs: dict, ratios: 
 
 
 def _geomean(values) -> float:
-    return float(np.exp(np.mean(np.log(values)))) if values else 0.0
+    return statistics.geometric_mean(values) if values else 0.0
 
 
 def _choose(gen, tokens, prompts, progress) -> dict:
