@@ -25,14 +25,17 @@ def check_rows(rows: list[dict]) -> tuple[int, int, list[str]]:
             and not (isinstance(r.get("config"), dict) and r["config"].get("unpadded"))]   # other numerics: a
     # reference for speed (bench/run.py's "1-token calls" rows), not the target-only to compare with
     # a bundle tag ("... [int4 target]") means another bundle: compare with that bundle's target-only;
-    # a tag with no target-only of its own is another draft for the same target ("[block-32 draft]"):
-    # compare with the untagged target-only
+    # "[int4 target, library-only table]" is a variant of the "int4 target" bundle's drafting: compare
+    # with that one's; any other tag with no target-only of its own is another draft for the same
+    # target ("[block-32 draft]"): compare with the untagged target-only
     plain = {(r["prompt_id"], _tag(r)): r["token_ids"] for r in rows if r["temperature"] == 0 and r["k"] == 0}
     spec = [r for r in rows if r["temperature"] == 0 and r["k"] != 0]
     failures = []
     for r in spec:
-        key = (r["prompt_id"], _tag(r))
-        want = plain[key if key in plain else (r["prompt_id"], "")]
+        tag = _tag(r)
+        key = next(k for k in ((r["prompt_id"], tag), (r["prompt_id"], tag.split(", ")[0]), (r["prompt_id"], ""))
+                   if k in plain)
+        want = plain[key]
         if r["token_ids"] != want:
             at = next((i for i, (a, b) in enumerate(zip(r["token_ids"], want)) if a != b),
                       min(len(want), len(r["token_ids"])))

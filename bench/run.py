@@ -238,7 +238,8 @@ def cpu_suite(int4_bundle: str | None = None) -> list[dict]:
     """Issue 6's bars in one run, one group: every target precision's default against its own
     target-only, per category. The int4 bundle (block 128 with zero points, the export default
     since stop 12) greedy and T=1, plus a 1-token-call reference (plain ONNX Runtime decoding,
-    other numerics than the padded calls); the stop-11 int4 bundle (block 32, symmetric); the float32
+    other numerics than the padded calls), and its default with stop 13's library-only lookup table;
+    the stop-11 int4 bundle (block 32, symmetric); the float32
     bundle; ORT GenAI's int4 target alone and with its draft; llama.cpp's Q4 decode. Tune the
     bundles first (spectr-edge tune)."""
     def q(m: dict, bundle: str = "", tag: str = "int4 target") -> dict:
@@ -249,18 +250,21 @@ def cpu_suite(int4_bundle: str | None = None) -> list[dict]:
     unpadded = {**spectr(0.0, 0, label="target-only, 1-token calls"), "baseline": False,
                 "config": {"temperature": 0.0, "k": 0, "unpadded": True}}
     b32 = lambda m: q(m, str(INT4_B32_BUNDLE), "int4 block-32 target")  # noqa: E731
-    return [q(spectr(0.0, 0)), q(spectr_default(0.0)), q(unpadded),
+    # the int4 bundle of stop 13, whose lookup table had library source only (weights hard-linked):
+    # what the sampled conversation in the table changed
+    stdtable = [{**q(spectr_default(0.0), str(INT4_STDTABLE_BUNDLE), "int4 target, library-only table"),
+                 "own_baseline": "spectr-edge T=0 target-only [int4 target]"}] if INT4_STDTABLE_BUNDLE.exists() else []
+    return [q(spectr(0.0, 0)), q(spectr_default(0.0))] + stdtable + [q(unpadded),
             q(spectr(1.0, 0)), q(spectr_default(1.0)),
             b32(spectr(0.0, 0)), b32(spectr_default(0.0)),
             peer("ortgenai", og, "int4 target-only", 0.0),
             peer("ortgenai", og_d, "int4 + int4 draft, 4 tokens", 0.0, {"speculative": "draft", "max_draft_tokens": 4},
                  own="int4 target-only"),
             peer("llama.cpp", "llamacpp", "Q4 target-only", 0.0),
-            spectr(0.0, 0), spectr_default(0.0)] + (
-        # the same float32 target with the block-32 draft of stops 9-12 (kept where it was built):
-        # what moving the draft to block 128 with zero points changed
-        [{**on_bundle(spectr_default(0.0), str(FP32_DRAFT32_BUNDLE), "block-32 draft"),
-          "own_baseline": "spectr-edge T=0 target-only"}] if FP32_DRAFT32_BUNDLE.exists() else [])
+            spectr(0.0, 0), spectr_default(0.0)]
+    # stop 13's row of the float32 target with the block-32 draft (models/default-draft-b32,
+    # RESULTS section 00000) is gone: a second float32 worker beside the library-only-table int4
+    # worker ran this 24 GiB machine out of memory
 
 
 GGUF = Path(os.environ.get("SPECTR_GGUF_DIR", "~/.cache/spectr-edge/gguf")).expanduser()
@@ -269,7 +273,7 @@ ORTGENAI = Path(os.environ.get("ORTGENAI_MODELS", "~/.cache/spectr-edge/peers/or
 STOP_IDS = "151645,151643"   # spectr-edge's stop ids for Qwen2.5 (<|im_end|>, <|endoftext|>); peers get the same
 INT4_BUNDLE = BENCH.parent / "models" / "default-int4"
 INT4_B32_BUNDLE = BENCH.parent / "models" / "default-int4-b32"   # the int4 layout before stop 12
-FP32_DRAFT32_BUNDLE = BENCH.parent / "models" / "default-draft-b32"   # models/default before stop 13
+INT4_STDTABLE_BUNDLE = BENCH.parent / "models" / "default-int4-stdtable"   # models/default-int4 before stop 14
 SETUP = {"llamacpp": "bash bench/peers/llamacpp_setup.sh", "ortgenai": "bash bench/peers/ortgenai_setup.sh"}
 
 

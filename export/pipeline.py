@@ -216,6 +216,7 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
                   preset: str | None = None, target_quant: str = "none", draft_quant: str = "none",
                   overwrite: bool = False, tree_mask: bool = True,
                   int4_block_size: int = quantize.INT4_BLOCK_SIZE,
+                  lookup_conversation_tokens: int = ngram_table.CONVERSATION_TOKENS,
                   log: Callable[[str], None] = _stderr) -> Path:
     """Export a target (and optional draft, or "self" = quantized target) into a bundle at out.
 
@@ -223,12 +224,14 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
     (see PRESETS). target_quant / draft_quant: none | int8 | int4 (draft="self" defaults to int4).
     tree_mask: rewrite each graph to take a 4D attention mask, for tree verification (export/tree_mask.py).
     int4_block_size: weights per scale and zero point of int4 graphs (32, 64, 128 or 256).
+    lookup_conversation_tokens: tokens of conversation sampled from the draft (else the target) for
+    prompt lookup's next-token table (spectr_edge/self_text.py; 0 = library source only).
     Raises ExportError (one line) on any user-fixable problem; out is then left untouched.
     """
     out = Path(out).expanduser().absolute()
     plan = _plan(target, draft, preset, target_quant, draft_quant, out)
     quantize.check_block_size(int4_block_size)   # before anything is written
-    progress = Progress(log, _total_steps(plan, tree_mask))
+    progress = Progress(log, _total_steps(plan, tree_mask) + (lookup_conversation_tokens > 0))
     t_start = time.perf_counter()
     with writer.staging(out, overwrite) as bundle:
         work = bundle / "_work"
@@ -272,7 +275,11 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
             manifest = writer.manifest(plan.name, writer.tokenizer_entry(t_tok), entries)
             manifest["lookup_table"] = ngram_table.write_table(bundle, bundle / "tokenizer.json",
                                                                int(manifest["tokenizer"]["vocab_size"]))
-            writer.write_manifest(bundle, manifest)
+        if lookup_conversation_tokens > 0:
+            with progress.step("sampling conversation for prompt lookup's next-token table"):
+                manifest["lookup_table"] = ngram_table.table_with_conversation(bundle, manifest,
+                                                                               lookup_conversation_tokens, log)
+        writer.write_manifest(bundle, manifest)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     log(f"bundle {out} written ({size / 1e6:.1f} MB) in {time.perf_counter() - t_start:.1f} s")
     return out

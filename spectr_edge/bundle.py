@@ -241,6 +241,12 @@ def read_bundle(path: str | os.PathLike | None = None) -> Bundle:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise BundleError(f"{manifest_path} has format version {manifest.get('format_version')}, this "
                           f"spectr-edge reads version {FORMAT_VERSION}; re-export the bundle")
+    return bundle_from_manifest(bundle, manifest)
+
+
+def bundle_from_manifest(bundle: Path, manifest: dict) -> Bundle:
+    """The Bundle that `manifest` describes for the files in `bundle` (read_bundle's checks after the JSON)."""
+    bundle = Path(bundle)
     models = _require(manifest, "models", "the manifest")
     target = _model_spec(bundle, "target", _require(models, "target", "models"))
     draft = _model_spec(bundle, "draft", models["draft"]) if models.get("draft") else None

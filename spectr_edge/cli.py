@@ -8,6 +8,7 @@ import sys
 import click
 
 from .errors import SpectrError
+from .ngram_table import CONVERSATION_TOKENS
 
 PROVIDERS = click.Choice(["auto", "cpu", "cuda", "tensorrt"])
 
@@ -234,10 +235,14 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
               help="Upgrade the existing bundle at --out in place: its graphs take a tree mask and use fused "
                    "attention with in-place cache buffers where the graph allows (weights untouched).")
 @click.option("--add-lookup-table", is_flag=True,
-              help="Add prompt lookup's static next-token table to the existing bundle at --out (seconds; "
-                   "new exports have it).")
+              help="(Re)build prompt lookup's static next-token table of the existing bundle at --out "
+                   "(new exports have it).")
+@click.option("--lookup-conversation-tokens", type=click.IntRange(min=0), default=CONVERSATION_TOKENS,
+              show_default=True,
+              help="Tokens of conversation sampled from the draft model (else the target) for that table, "
+                   "beside the Python library's source (~7 min for the default on 2 cores; 0 = library only).")
 def export(target, draft, preset, out, target_quant, draft_quant, int4_block_size, overwrite, no_tree_mask,
-           add_tree_mask, add_lookup_table):
+           add_tree_mask, add_lookup_table, lookup_conversation_tokens):
     """Export a target (and draft) model into a bundle."""
     if add_lookup_table:
         if preset or target or add_tree_mask:
@@ -246,7 +251,7 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
         from .bundle import read_bundle
         from .ngram_table import add_lookup_table as add_table
         read_bundle(out)                           # a clear error for a missing or corrupt bundle
-        add_table(out, log=click.echo)
+        add_table(out, log=click.echo, conversation_tokens=lookup_conversation_tokens)
         return
     if add_tree_mask:
         if preset or target:
@@ -269,7 +274,8 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
     if int4_block_size:
         options["int4_block_size"] = int(int4_block_size)
     path = exporter.export_bundle(out, target=target, draft=draft, preset=preset, overwrite=overwrite,
-                                  tree_mask=not no_tree_mask, **options)
+                                  tree_mask=not no_tree_mask,
+                                  lookup_conversation_tokens=lookup_conversation_tokens, **options)
     click.echo(f"bundle written to {path}")
 
 

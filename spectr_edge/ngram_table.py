@@ -4,9 +4,13 @@ Prompt lookup (lookup.py) finds nothing to copy on about a third of its steps: t
 never occurred before in the prompt or the output. On a target whose calls score at least two
 tokens (int4, `min_call_tokens` 2) such a step pays for a padding slot anyway, so a one-token
 guess there is free. This table gives that guess: for the last one or two tokens, the token that
-most often followed them in a text corpus. The corpus is the Python standard library's source
-(code, comments, docstrings: English and code, the registers a coder model answers in), which
-every machine that runs spectr-edge has, so a bundle's table can always be rebuilt the same way.
+most often followed them in a corpus of two parts:
+- the Python standard library's source (code, comments, docstrings), which every machine that
+  runs spectr-edge has;
+- conversation sampled from the bundle's own draft model (self_text.py, 65,536 tokens by default),
+  each of its tokens counted CONVERSATION_WEIGHT times. It is the phrasing of the target's family,
+  and it raised the share of the target's greedy tokens the table predicts from 7.5% to about 13%
+  on the benchmark's outputs (bench/RESULTS.md).
 
 The table only proposes tokens; the target verifies them like any prompt-lookup draft, so the
 output law is unchanged whatever the table says.
@@ -23,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 TABLE_FILE = "lookup_table.npz"
+CONVERSATION_WEIGHT = 10        # what a token of sampled conversation counts against one of library source
+CONVERSATION_TOKENS = 65536     # sampled by export (self_text.py): ~7 min with the 0.5B int4 draft on 2 cores
 
 
 def stdlib_sources(limit_bytes: int | None = None) -> tuple[list[Path], str]:
@@ -40,28 +46,36 @@ def stdlib_sources(limit_bytes: int | None = None) -> tuple[list[Path], str]:
     return files, f"Python {platform.python_version()} standard library ({len(files)} modules, {total} bytes)"
 
 
-def _most_common_next(prev: np.ndarray, nxt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each distinct key in prev, the value in nxt that follows it most often (smallest id on ties)."""
+def _most_common_next(prev: np.ndarray, nxt: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each distinct key in prev, the value in nxt that follows it with the largest total weight
+    (smallest id on ties)."""
     pairs = np.stack([prev, nxt], axis=1)
-    uniq, counts = np.unique(pairs, axis=0, return_counts=True)        # sorted by (key, next)
-    order = np.lexsort((uniq[:, 1], -counts, uniq[:, 0]))               # by key, then count desc, then id
+    uniq, inverse = np.unique(pairs, axis=0, return_inverse=True)      # sorted by (key, next)
+    counts = np.bincount(inverse.reshape(-1), weights=weights, minlength=len(uniq))
+    order = np.lexsort((uniq[:, 1], -counts, uniq[:, 0]))               # by key, then weight desc, then id
     uniq = uniq[order]
     first = np.ones(len(uniq), dtype=bool)
     first[1:] = uniq[1:, 0] != uniq[:-1, 0]
     return uniq[first, 0], uniq[first, 1]
 
 
-def build_table(token_ids: np.ndarray, vocab_size: int) -> dict[str, np.ndarray]:
-    """The table's arrays from a corpus's token ids # [T]."""
+def build_table(token_ids: np.ndarray, vocab_size: int, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The table's arrays from a corpus's token ids # [T]; weights # [T]: what each occurrence of a
+    token after its context counts (default 1)."""
     a = np.asarray(token_ids, dtype=np.int64)
-    keys1, next1 = _most_common_next(a[:-1], a[1:])
-    keys2, next2 = _most_common_next(a[:-2] * vocab_size + a[1:-1], a[2:])
+    w = np.ones(len(a)) if weights is None else np.asarray(weights, dtype=np.float64)
+    keys1, next1 = _most_common_next(a[:-1], a[1:], w[1:])
+    keys2, next2 = _most_common_next(a[:-2] * vocab_size + a[1:-1], a[2:], w[2:])
     return {"keys1": keys1, "next1": next1, "keys2": keys2, "next2": next2,
             "vocab_size": np.asarray(vocab_size, dtype=np.int64)}
 
 
-def write_table(bundle: Path, tokenizer_file: Path, vocab_size: int, limit_bytes: int | None = None) -> dict:
-    """Tokenize the corpus, write the bundle's table file, and return its manifest entry."""
+def write_table(bundle: Path, tokenizer_file: Path, vocab_size: int, limit_bytes: int | None = None,
+                conversations: list[list[int]] = (), conversation_source: str = "") -> dict:
+    """Tokenize the corpus, write the bundle's table file, and return its manifest entry.
+
+    conversations: token lists sampled from the bundle's model (self_text.py), counted
+    CONVERSATION_WEIGHT times each."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(tokenizer_file))
     files, source = stdlib_sources(limit_bytes)
@@ -69,12 +83,22 @@ def write_table(bundle: Path, tokenizer_file: Path, vocab_size: int, limit_bytes
     texts = [f.read_text(encoding="utf-8", errors="ignore") for f in files]
     for enc in tok.encode_batch(texts, add_special_tokens=False):
         ids.extend(enc.ids)
-    arrays = build_table(np.asarray(ids, dtype=np.int64), vocab_size)
+    weights = [np.ones(len(ids))]
+    corpus = [np.asarray(ids, dtype=np.int64)]
+    for row in conversations:
+        corpus.append(np.asarray(row, dtype=np.int64))
+        weights.append(np.full(len(row), float(CONVERSATION_WEIGHT)))
+    arrays = build_table(np.concatenate(corpus), vocab_size, np.concatenate(weights))
     tmp = bundle / (TABLE_FILE + ".partial.npz")
     np.savez(tmp, **arrays)
     tmp.replace(bundle / TABLE_FILE)
-    return {"file": TABLE_FILE, "source": source, "corpus_tokens": len(ids),
-            "entries": int(len(arrays["keys1"]) + len(arrays["keys2"]))}
+    entry = {"file": TABLE_FILE, "source": source, "corpus_tokens": len(ids),
+             "entries": int(len(arrays["keys1"]) + len(arrays["keys2"]))}
+    if conversations:
+        entry["source"] += (f" + {sum(map(len, conversations))} tokens of conversation sampled from "
+                            f"{conversation_source} (weight {CONVERSATION_WEIGHT})")
+        entry["conversation_tokens"] = int(sum(map(len, conversations)))
+    return entry
 
 
 class NgramTable:
@@ -108,17 +132,37 @@ class NgramTable:
         return None
 
 
-def add_lookup_table(bundle_path, log=print) -> dict:
-    """Build the table for an existing bundle and record it in its manifest."""
-    import json
+def table_with_conversation(bundle: Path, manifest: dict, conversation_tokens: int, log=print,
+                            threads: int | None = None) -> dict:
+    """Write the table of a bundle (its manifest given) with `conversation_tokens` tokens of
+    conversation sampled from its draft model, else its target; returns the manifest entry."""
+    from .bundle import bundle_from_manifest
+    from .onnx_model import OnnxLM
+    from .self_text import sample_conversations
+    from .text import TextCodec
+    b = bundle_from_manifest(bundle, manifest)
+    spec = b.draft or b.target
+    conversations = []
+    if conversation_tokens > 0:
+        log(f"      sampling {conversation_tokens} tokens of conversation from the {spec.role} model")
+        conversations = sample_conversations(OnnxLM(spec, provider="cpu", threads=threads), TextCodec(b.tokenizer),
+                                             b.tokenizer.vocab_size, b.tokenizer.eos_token_ids,
+                                             conversation_tokens, log=log)
+        if not conversations:
+            log("      the tokenizer has no chat template, so the table has library source only")
+    return write_table(bundle, b.tokenizer.file, b.tokenizer.vocab_size, conversations=conversations,
+                       conversation_source=f"the {spec.role} model ({spec.source})")
 
-    from .bundle import write_manifest
+
+def add_lookup_table(bundle_path, log=print, conversation_tokens: int = CONVERSATION_TOKENS,
+                     threads: int | None = None) -> dict:
+    """Build the table for an existing bundle and record it in its manifest."""
+    from .bundle import read_bundle, write_manifest
     bundle = Path(bundle_path)
-    manifest = json.loads((bundle / "spectr.json").read_text(encoding="utf-8"))
-    tok = manifest["tokenizer"]
-    entry = write_table(bundle, bundle / tok["file"], int(tok["vocab_size"]))
+    manifest = read_bundle(bundle).manifest
+    entry = table_with_conversation(bundle, manifest, conversation_tokens, log, threads)
     manifest["lookup_table"] = entry
     write_manifest(bundle, manifest)
-    log(f"{bundle}: lookup table from the {entry['source']}: {entry['corpus_tokens']} tokens, "
-        f"{entry['entries']} entries")
+    log(f"{bundle}: lookup table from the {entry['source']}: {entry['corpus_tokens']} tokens of library "
+        f"source, {entry['entries']} entries")
     return entry

@@ -37,9 +37,12 @@ class TextCodec:
 
     def apply_chat_template(self, prompt: str) -> str:
         """The chat text of one user turn, ending where the assistant's answer starts."""
+        return self.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The chat template applied to `messages` ({"role", "content"} dicts)."""
         special = self.spec.special_tokens
-        return self._template.render(messages=[{"role": "user", "content": prompt}],
-                                     add_generation_prompt=True,
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=special.get("bos_token") or "",
                                      eos_token=special.get("eos_token") or "")
 

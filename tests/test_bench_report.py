@@ -139,3 +139,8 @@ def test_check_greedy_compares_each_bundle_with_its_own_target_only():
     assert check_greedy.check_rows(rows + [other_draft]) == (compared + 1, accepting + 1, failures)
     other_draft["token_ids"] = [1, 2, 4]
     assert len(check_greedy.check_rows(rows + [other_draft])[2]) == 2
+    # "[int4 target, library-only table]": another drafting of the "int4 target" bundle, compared with its target-only
+    variant = row("spectr-edge T=0 default [int4 target, library-only table]", None, [1, 2, 4], 1)
+    assert check_greedy.check_rows(rows + [variant]) == (compared + 1, accepting + 1, failures)
+    variant["token_ids"] = [1, 2, 3]
+    assert len(check_greedy.check_rows(rows + [variant])[2]) == 2

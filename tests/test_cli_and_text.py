@@ -87,10 +87,12 @@ def test_add_lookup_table_upgrades_a_bundle(toy_dir, tmp_path):
 
     bundle = tmp_path / "upgraded"
     shutil.copytree(toy_dir, bundle)
-    res = run_cli("export", "--add-lookup-table", "--out", str(bundle))
+    res = run_cli("export", "--add-lookup-table", "--out", str(bundle), "--lookup-conversation-tokens", "256")
     assert res.returncode == 0, res.stderr
     manifest = json.loads((bundle / "spectr.json").read_text())
     assert (bundle / manifest["lookup_table"]["file"]).is_file() and "standard library" in res.stdout
+    # the toy tokenizer has no chat template: no conversation to sample, and export says so
+    assert "conversation_tokens" not in manifest["lookup_table"] and "no chat template" in res.stdout
     plain = json.loads(run_cli("generate", "a b c", "--bundle", str(bundle), "--provider", "cpu", "-n", "10",
                                "--json", "--no-draft").stdout)
     looked = json.loads(run_cli("generate", "a b c", "--bundle", str(bundle), "--provider", "cpu", "-n", "10",

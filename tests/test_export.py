@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import tiny_models
 from export import PRESETS, export_bundle, presets, tokenizer_fix
 from spectr_edge.errors import ExportError
 
@@ -118,6 +119,11 @@ def test_manifest_matches_format_and_graph(name, request):
     table = m["lookup_table"]                        # prompt lookup's next-token table, from the stdlib source
     assert table["file"] == "lookup_table.npz" and "standard library" in table["source"]
     assert table["corpus_tokens"] > 100_000 and table["entries"] > 0
+    if name == "tiny_qwen_bundle":                   # + conversation sampled from its draft (self_text.py)
+        assert table["conversation_tokens"] >= tiny_models.TINY_CONVERSATION_TOKENS
+        assert "conversation sampled from the draft model" in table["source"]
+    else:                                            # tiny-llama is built with lookup_conversation_tokens=0
+        assert "conversation_tokens" not in table
     from spectr_edge.ngram_table import NgramTable
     assert NgramTable.load(bundle / table["file"]).vocab == tok["vocab_size"]
     for role, e in m["models"].items():
@@ -192,6 +198,7 @@ def test_fresh_export_logs_numbered_steps(tmp_path, request, arch, draft_quant, 
     target, draft = (request.getfixturevalue(f"tiny_{arch}{s}_dir") for s in ("", "_draft"))
     lines = []
     out = export_bundle(tmp_path / "b", target=str(target), draft=str(draft), draft_quant=draft_quant,
+                        lookup_conversation_tokens=0,
                         log=lines.append)
     numbered = [ln for ln in lines if re.match(r"^\[\d+/\d+\] ", ln)]
     assert [s.split("]")[0] for s in numbered] == [f"[{i}/{steps}" for i in range(1, steps + 1)]
@@ -214,6 +221,7 @@ def test_quantized_target_runs(tmp_path, onnx_dir, quant, block):
 
     lines = []
     out = export_bundle(tmp_path / "b", target=str(onnx_dir), target_quant=quant, log=lines.append,
+                        lookup_conversation_tokens=0,
                         **({"int4_block_size": block} if block else {}))
     e = manifest(out)["models"]["target"]
     if quant == "int4":
@@ -270,7 +278,7 @@ def test_onnx_dir_source_does_not_import_torch(tmp_path, onnx_dir):
     code = (
         "import sys, json\n"
         "from export import export_bundle\n"
-        f"out = export_bundle({str(tmp_path / 'b')!r}, target={str(onnx_dir)!r}, draft='self', log=lambda s: None)\n"
+        f"out = export_bundle({str(tmp_path / 'b')!r}, target={str(onnx_dir)!r}, draft='self', lookup_conversation_tokens=0, log=lambda s: None)\n"
         "m = json.load(open(out / 'spectr.json'))\n"
         "print(sorted(k for k in ('torch', 'transformers', 'optimum') if k in sys.modules), m['models']['draft']['quant'])\n"
     )
@@ -306,7 +314,7 @@ def test_existing_out_needs_overwrite(tmp_path, onnx_dir):
     with pytest.raises(ExportError, match="already exists; pass --overwrite"):
         export_bundle(out, target=str(onnx_dir), log=lambda s: None)
     assert (out / "keep.txt").read_text() == "mine"
-    export_bundle(out, target=str(onnx_dir), overwrite=True, log=lambda s: None)
+    export_bundle(out, target=str(onnx_dir), overwrite=True, lookup_conversation_tokens=0, log=lambda s: None)
     assert (out / "spectr.json").exists() and not (out / "keep.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
 
@@ -318,9 +326,10 @@ def test_failed_export_leaves_nothing(tmp_path, onnx_dir, monkeypatch, exc):
     def boom(*a, **k):
         raise exc
 
-    monkeypatch.setattr(export.writer, "write_manifest", boom)  # the very last step
+    monkeypatch.setattr(export.writer, "write_manifest", boom)  # the very last step, after the sampling
     with pytest.raises(type(exc)):
-        export_bundle(tmp_path / "b", target=str(onnx_dir), draft="self", log=lambda s: None)
+        export_bundle(tmp_path / "b", target=str(onnx_dir), draft="self", lookup_conversation_tokens=256,
+                      log=lambda s: None)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -353,7 +362,8 @@ def test_gguf_file_is_recognised_by_content(tmp_path, tiny_llama_dir, monkeypatc
     (tmp_path / "weights.bin").write_bytes(b"GGUF" + bytes(60))
     seen = []
     monkeypatch.setattr(sources, "convert_gguf", lambda path, out: seen.append(path) or Path(tiny_llama_dir))
-    out = export_bundle(tmp_path / "b", target=str(tmp_path / "weights.bin"), log=lambda s: None)
+    out = export_bundle(tmp_path / "b", target=str(tmp_path / "weights.bin"), lookup_conversation_tokens=0,
+                        log=lambda s: None)
     assert seen == [(tmp_path / "weights.bin").resolve()]
     assert manifest(out)["models"]["target"]["source"].startswith("weights.bin (GGUF, 64 bytes)")
 
@@ -488,3 +498,36 @@ def test_smollm2_bundle_chat_tokens(smollm2_bundle):
     run = Runner(smollm2_bundle, "target")
     out, _ = greedy(run, ids, 8, tok["vocab_size"])
     assert "Paris" in t.decode(out)
+
+
+@pytest.mark.real_model
+def test_smollm2_conversation_table_predicts_the_target_better(smollm2_bundle, tmp_path):
+    """The table with conversation sampled from the bundle's draft (self_text.py) guesses the float32
+    target's own greedy answers more often than a table of the library source alone (both built from
+    the same library source; deterministic: fixed sampling seed, greedy target)."""
+    from spectr_edge.ngram_table import NgramTable, write_table
+
+    m = manifest(smollm2_bundle)
+    entry, tok = m["lookup_table"], m["tokenizer"]
+    assert entry["conversation_tokens"] >= 8192 and "conversation sampled from the draft model" in entry["source"]
+    with_conversation = NgramTable.load(smollm2_bundle / entry["file"])
+    library_only = NgramTable.load(tmp_path / write_table(tmp_path, smollm2_bundle / tok["file"],
+                                                          tok["vocab_size"])["file"])
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(str(smollm2_bundle / tok["file"]))
+    run = Runner(smollm2_bundle, "target")
+    hits = {"conversation": 0, "library": 0}
+    total = 0
+    for question in ("How do I sort a list in Python?", "Give me three tips for a job interview.",
+                     "Explain why the sky is blue."):
+        prompt = tokenizer_fix.render_chat(tok["chat_template"], [{"role": "user", "content": question}], True)
+        ids = t.encode(prompt).ids
+        out, _ = greedy(run, ids, 48, tok["vocab_size"])
+        full = ids + list(out)
+        for i in range(len(ids) + 1, len(full)):
+            total += 1
+            for name, table in (("conversation", with_conversation), ("library", library_only)):
+                guess = table.guess(full[:i])
+                hits[name] += guess is not None and guess[0] == full[i]
+    assert total >= 100 and hits["conversation"] > hits["library"], (hits, total)

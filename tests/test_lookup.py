@@ -126,3 +126,51 @@ def test_stdlib_table_is_reproducible(tmp_path):
     assert all(np.array_equal(a[k], b[k]) for k in a.files)
     assert NgramTable.load(tmp_path / "a" / entries[0]["file"]).guess([1]) is not None   # "def" -> something
     json.dumps(entries[0])                                   # a manifest entry
+
+
+def test_weights_decide_the_most_common_follower():
+    """A follower seen less often but with more weight (sampled conversation) wins its key."""
+    from spectr_edge.ngram_table import build_table
+
+    ids = np.array([1, 2, 1, 2, 1, 2, 1, 3])                       # 1 -> 2 three times, 1 -> 3 once
+    plain = build_table(ids, 10)
+    assert plain["next1"][list(plain["keys1"]).index(1)] == 2
+    heavy = build_table(ids, 10, weights=np.array([1, 1, 1, 1, 1, 1, 1, 4.0]))
+    assert heavy["next1"][list(heavy["keys1"]).index(1)] == 3      # 4 > 3
+
+
+def test_sampled_conversations_follow_the_chat_template(tiny_qwen_bundle):
+    """self_text.py: each row is the template's opening text, then user turns and answers joined by the
+    template's own hand-over tokens; a seed gives the same text, another seed other text."""
+    from spectr_edge.bundle import read_bundle
+    from spectr_edge.onnx_model import OnnxLM
+    from spectr_edge.self_text import OPENERS, sample_conversations, turn_pieces
+    from spectr_edge.text import TextCodec
+
+    b = read_bundle(tiny_qwen_bundle)
+    codec = TextCodec(b.tokenizer)
+    before, to_answer, to_user = turn_pieces(codec)
+    assert codec.tokenizer.decode(to_answer, skip_special_tokens=False) == "<|im_end|>\n<|im_start|>assistant\n"
+    assert codec.tokenizer.decode(to_user, skip_special_tokens=False) == "<|im_end|>\n<|im_start|>user\n"
+    model = OnnxLM(b.draft, provider="cpu", threads=1)
+    sample = lambda seed: sample_conversations(model, codec, b.tokenizer.vocab_size,  # noqa: E731
+                                               b.tokenizer.eos_token_ids, 512, batch=4, seed=seed)
+    rows = sample(0)
+    assert len(rows) == 4 and sum(len(r) - len(before) for r in rows) == 512
+    openers = {codec.tokenizer.encode(w, add_special_tokens=False).ids[0] for w in OPENERS}
+
+    def at(row, piece):
+        return [i for i in range(len(row) - len(piece) + 1) if row[i:i + len(piece)] == piece]
+
+    for row in rows:
+        assert row[:len(before)] == before and row[len(before)] in openers
+        row = row[len(before):]
+        asks, answers = at(row, to_answer), at(row, to_user)
+        assert asks, "every row reaches an answer within MAX_ASK tokens"
+        # turns alternate: user (opener ...), to_answer, answer, to_user, opener, ...
+        marks = sorted([(i, "a") for i in asks] + [(i, "u") for i in answers])
+        assert all(x[1] != y[1] for x, y in zip(marks, marks[1:])) and marks[0][1] == "a"
+        for i in answers:
+            if i + len(to_user) < len(row):
+                assert row[i + len(to_user)] in openers
+    assert sample(0) == rows and sample(1) != rows

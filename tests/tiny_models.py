@@ -197,6 +197,9 @@ def make_draft(target_dir: Path, out_dir: Path, num_layers: int = 2, seed: int =
 
 # ---- bundles -------------------------------------------------------------------------------------
 
+TINY_CONVERSATION_TOKENS = 1024
+
+
 def build_tiny_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
     """tiny-llama: 4-layer Llama target + 2-layer perturbed-copy draft, both float32.
 
@@ -208,7 +211,8 @@ def build_tiny_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
     tok = make_tokenizer(work / "tokenizer")
     target = make_llama(work / "llama", tok)
     draft = make_draft(target, work / "llama-draft", num_layers=2)
-    return export_bundle(out, target=str(target), draft=str(draft), tree_mask=False, log=log)
+    return export_bundle(out, target=str(target), draft=str(draft), tree_mask=False, lookup_conversation_tokens=0,
+                         log=log)
 
 
 def build_tiny_qwen_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
@@ -222,7 +226,9 @@ def build_tiny_qwen_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
     tok = make_tokenizer(work / "tokenizer")
     target = make_qwen(work / "qwen", tok)
     draft = make_draft(target, work / "qwen-draft", num_layers=2)
-    return export_bundle(out, target=str(target), draft=str(draft), draft_quant="int8", log=log)
+    # the lookup table gets conversation sampled from the tiny draft (self_text.py), as a real export does
+    return export_bundle(out, target=str(target), draft=str(draft), draft_quant="int8",
+                         lookup_conversation_tokens=TINY_CONVERSATION_TOKENS, log=log)
 
 
 def source_key(*extra: str) -> str:
@@ -232,7 +238,8 @@ def source_key(*extra: str) -> str:
 
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for f in [Path(__file__).resolve(), *sorted((root / "export").glob("*.py"))]:
+    files = [root / "spectr_edge" / "ngram_table.py", root / "spectr_edge" / "self_text.py"]
+    for f in [Path(__file__).resolve(), *sorted((root / "export").glob("*.py")), *files]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     for pkg in ("torch", "transformers", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime", "tokenizers"):
         try:
