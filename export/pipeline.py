@@ -273,9 +273,10 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
             shutil.rmtree(work)
             entries = {role: entries[role] for role in ("target", "draft") if role in entries}
             manifest = writer.manifest(plan.name, writer.tokenizer_entry(t_tok), entries)
-            manifest["lookup_table"] = ngram_table.write_table(bundle, bundle / "tokenizer.json",
-                                                               int(manifest["tokenizer"]["vocab_size"]))
-        if lookup_conversation_tokens > 0:
+            if lookup_conversation_tokens <= 0:
+                manifest["lookup_table"] = ngram_table.write_table(bundle, bundle / "tokenizer.json",
+                                                                   int(manifest["tokenizer"]["vocab_size"]))
+        if lookup_conversation_tokens > 0:    # the table of library source and sampled conversation
             with progress.step("sampling conversation for prompt lookup's next-token table"):
                 manifest["lookup_table"] = ngram_table.table_with_conversation(bundle, manifest,
                                                                                lookup_conversation_tokens, log)
