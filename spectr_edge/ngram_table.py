@@ -9,7 +9,7 @@ most often followed them in a corpus of two parts:
   runs spectr-edge has;
 - conversation sampled from the bundle's own draft model (self_text.py, 65,536 tokens by default),
   each of its tokens counted CONVERSATION_WEIGHT times. It is the phrasing of the target's family,
-  and it raised the share of the target's greedy tokens the table predicts from 7.5% to about 13%
+  and it raised the share of the int4 target's greedy tokens the table predicts from 7.5% to 12.2%
   on the benchmark's outputs (bench/RESULTS.md).
 
 The table only proposes tokens; the target verifies them like any prompt-lookup draft, so the
