@@ -67,6 +67,21 @@ def speedups(rows, methods, method, prompts_of=None, against: str | None = None)
     return out
 
 
+def specbench_overall(rows, methods, method, against: str | None = None) -> float | None:
+    """Spec-Bench's overall speedup (its evaluation/speed.py): the mean over prompts of the method's
+    tokens/s (new tokens / wall time, prefill included) over the same mean for the baseline, on the
+    prompts both ran (same group). Reported beside the median of per-prompt ratios, the headline here."""
+    base_name, by = _baselines(rows, methods)
+    t = next(m["temperature"] for m in methods if m["name"] == method)
+    base = against or base_name.get(t)
+    pairs = [(by[(base, r["prompt_id"], r.get("group"))]["tokens_per_s"], r["tokens_per_s"]) for r in _ok(rows)
+             if r["method"] == method and r.get("tokens_per_s") and (base, r["prompt_id"], r.get("group")) in by
+             and by[(base, r["prompt_id"], r.get("group"))].get("tokens_per_s")]
+    if not pairs or base == method:
+        return None
+    return sum(m for _, m in pairs) / sum(b for b, _ in pairs)
+
+
 def acceptance_by_position(mine) -> list[float]:
     reached, accepted = defaultdict(int), defaultdict(int)
     for r in mine:
@@ -92,6 +107,7 @@ def summary(raw: dict) -> list[dict]:
             "speedup": median(speedups(rows, methods, m["name"])),
             "vs_own": median(speedups(rows, methods, m["name"], against=m["own_baseline"]))
                       if m.get("own_baseline") else None,
+            "specbench_overall": specbench_overall(rows, methods, m["name"], m.get("own_baseline")),
             "tokens_per_call": median(r.get("tokens_per_call") for r in ok),
             "acceptance": sum(r.get("accepted") or 0 for r in ok) / drafted if drafted else None,
             "acceptance_by_position": acceptance_by_position(ok),
@@ -134,8 +150,9 @@ def markdown(raw: dict) -> str:
              f"{', '.join(str(p['id']) for p in meta['prompts'])}), {meta['max_new_tokens']} new tokens, "
              f"{meta['date']}, git {meta['machine'].get('git_commit')}.", "",
              "| method | prompts | TTFT ms | ms/token median | ms/token p90 | tokens/s | speedup vs target-only | "
-             "tokens per target call | acceptance | peak RSS GiB | time outside ORT |" + (" vs its own target-only |" if own else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if own else "")]
+             "tokens per target call | acceptance | peak RSS GiB | time outside ORT |" + (" vs its own target-only |" if own else "")
+             + " Spec-Bench overall |",
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if own else "") + "---|"]
     for t in table:
         err = f" (failed: {'; '.join(t['errors'])})" if t["errors"] else ""
         lines.append(f"| {t['method']}{err} | {t['prompts']} | {_f(t['ttft_ms'], '.0f')} | "
@@ -144,7 +161,9 @@ def markdown(raw: dict) -> str:
                      f"{_f(t['tokens_per_call'], '.2f')} | {_f(t['acceptance'], '.2f')} | "
                      f"{t['peak_rss_gib']:.2f} | "
                      f"{'-' if t['outside_ort'] is None else _f(100 * t['outside_ort'], '.1f') + '%'} |"
-                     + (f" {_x(t['vs_own'])} |" if own else ""))
+                     + (f" {_x(t['vs_own'])} |" if own else "") + f" {_x(t['specbench_overall'])} |")
+    lines += ["", "Spec-Bench overall: the mean over prompts of tokens/s (prefill included) over the same mean for the "
+              "method's own target-only (its evaluation/speed.py), beside the median of per-prompt ratios."]
     if meta.get("groups") and len(meta["groups"]) > 1:
         lines += ["", f"Run in groups, one after the other: {', '.join(meta['groups'])}. spectr-edge's target-only "
                   "methods run in every group as its anchor (hence their larger prompt count); every speedup pairs a "
@@ -152,7 +171,9 @@ def markdown(raw: dict) -> str:
                   "speculative row with that tool's own target-only row."]
     tasks = per_task(raw)
     names = list(next(iter(tasks.values())).keys()) if tasks else []
-    if len(names) > 1:
+    # methods without a ratio anywhere (a run with no float32 target-only has no anchor): left out
+    tasks = {m: by for m, by in tasks.items() if any(v is not None and v == v for v in by.values())}
+    if len(names) > 1 and tasks:
         lines += ["", "Speedup vs target-only per Spec-Bench task (median over the task's prompts):", "",
                   "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for m, by in tasks.items():

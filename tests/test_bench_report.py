@@ -48,6 +48,15 @@ def test_speedup_is_the_median_of_per_prompt_ratios():
     assert table["spec"]["errors"] == ["boom"] and table["spec"]["prompts"] == 3
 
 
+def test_specbench_overall_is_the_ratio_of_mean_tokens_per_second():
+    table = {t["method"]: t for t in report.summary(_raw())}
+    # tokens/s: base 5, 6.67, 8.33 (mean 6.67); spec 10, 10, 8.33 (mean 9.44): 28.33 / 20 = 1.4167,
+    # not the median of per-prompt ratios (1.5) nor their mean (1.5)
+    assert table["spec"]["specbench_overall"] == pytest.approx((10 + 10 + 1000 / 120) / (5 + 1000 / 150 + 1000 / 120))
+    assert table["base"]["specbench_overall"] is None
+    assert "| 1.42x |" in report.markdown(_raw())
+
+
 def test_per_task_speedups():
     by_task = report.per_task(_raw())["spec"]
     assert by_task["mt_bench"] == pytest.approx(2.0)
