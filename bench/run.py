@@ -7,6 +7,7 @@
     .venv/bin/python bench/run.py --suite cpu                             # issue 6's bars: int4 per category vs peers
     .venv/bin/python bench/run.py --suite int4-calls                      # int4: padded vs 1-token calls, two layouts
     .venv/bin/python bench/run.py --suite int4-wide                       # int4 default vs target-only, llama.cpp: 48 prompts
+    .venv/bin/python bench/run.py --suite precisions                      # float32, int8, int4: default vs own target-only
     .venv/bin/python bench/run.py --suite trees                           # issue 5: draft trees, tuned defaults
     .venv/bin/python bench/run.py --suite length                          # float32: model+lookup drafts of 6, 8, 10 tokens
 
@@ -210,6 +211,13 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
             out.append(peer("ortgenai", og + "+qwen0.5b-int4", "int4 + int4 draft, 4 tokens", 0.0,
                             {"speculative": "draft", "max_draft_tokens": 4}, own="int4 target-only"))
         return out
+    if name == "precisions":  # issue 6's never-slower check: each target precision's default vs its own target-only
+        out = [spectr(0.0, 0), spectr_default(0.0)]
+        for bundle, tag in ((INT8_BUNDLE, "int8 target"), (other_bundle or INT4_BUNDLE, "int4 target")):
+            own = f"spectr-edge T=0 target-only [{tag}]"
+            out += [{**on_bundle(spectr(0.0, 0), str(bundle), tag), "own_baseline": None},
+                    {**on_bundle(spectr_default(0.0), str(bundle), tag), "own_baseline": own}]
+        return out
     if name == "trees":     # issue 5: draft trees and the tuned defaults, greedy and T=1 (tune both bundles first)
         return trees_suite(other_bundle)
     if name == "window":    # issue 6, float32 target: lookup before the model, and the draft's context window
@@ -217,7 +225,7 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
     if name == "length":    # issue 5, float32 target: longer model+lookup drafts now that the draft is cheaper
         return [spectr(0.0, 0), spectr_default(0.0), model_lookup(8), model_lookup(10)]
     raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu, int4-calls, "
-                     "int4-wide, trees, window or length")
+                     "int4-wide, precisions, trees, window or length")
 
 
 def tree_method(temperature: float, budget: int, depth: int) -> dict:
@@ -283,6 +291,7 @@ TARGET_GGUF, DRAFT_GGUF = "Qwen2.5-Coder-1.5B-Instruct.gguf", "Qwen2.5-Coder-0.5
 ORTGENAI = Path(os.environ.get("ORTGENAI_MODELS", "~/.cache/spectr-edge/peers/ortgenai")).expanduser()
 STOP_IDS = "151645,151643"   # spectr-edge's stop ids for Qwen2.5 (<|im_end|>, <|endoftext|>); peers get the same
 INT4_BUNDLE = BENCH.parent / "models" / "default-int4"
+INT8_BUNDLE = BENCH.parent / "models" / "default-int8"     # bench/quant_twin.py --target-quant int8
 INT4_B32_BUNDLE = BENCH.parent / "models" / "default-int4-b32"   # the int4 layout before stop 12
 INT4_STDTABLE_BUNDLE = BENCH.parent / "models" / "default-int4-stdtable"   # models/default-int4 before stop 14
 SETUP = {"llamacpp": "bash bench/peers/llamacpp_setup.sh", "ortgenai": "bash bench/peers/ortgenai_setup.sh"}
@@ -313,7 +322,8 @@ def missing_setup(key: str) -> str | None:
     tool, _, rest = key.partition(":")
     if tool == "spectr" and rest and not (Path(rest) / "spectr.json").exists():
         return (f"{rest} is missing; run `.venv/bin/python bench/quant_twin.py models/default {rest} "
-                f"--target-quant int4`" if "int4" in rest else f"{rest} is missing")
+                f"--target-quant {'int8' if 'int8' in rest else 'int4'}`" if "int4" in rest or "int8" in rest
+                else f"{rest} is missing")
     if tool in SETUP and not (BENCH / f".venv-{tool}" / "bin" / "python").exists():
         return f"bench/.venv-{tool} is missing; run `{SETUP[tool]}`"
     if tool == "ortgenai":
@@ -447,7 +457,8 @@ def main(argv=None) -> None:
     subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1", "peers": "stratified-1",
                                "adaptive": "stratified-1", "cpu": "stratified-2", "window": "stratified-2",
                                "int4-calls": "stratified-2", "length": "stratified-2",
-                               "trees": "stratified-1", "int4-wide": "stratified-8"}.get(
+                               "trees": "stratified-1", "int4-wide": "stratified-8",
+                               "precisions": "stratified-2"}.get(
         args.suite, "stratified-4")
     if args.quick:
         subset, args.max_new_tokens = (args.prompts or "stratified-1"), 32

@@ -162,7 +162,10 @@ def quantize(src: Path, dst: Path, quant: str, block_size: int = INT4_BLOCK_SIZE
         del model
         gc.collect()
         with _quiet_root_logger():
-            quantize_dynamic(str(tmp), str(dst), weight_type=QuantType.QInt8, use_external_data_format=large)
+            # DefaultTensorType: shape inference cannot type the outputs of com.microsoft ops (a fused
+            # graph's GroupQueryAttention, quantized by bench/quant_twin.py), which quantize_dynamic needs
+            quantize_dynamic(str(tmp), str(dst), weight_type=QuantType.QInt8, use_external_data_format=large,
+                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     finally:
         tmp.unlink(missing_ok=True)
         tmp.with_name(tmp.name + ".data").unlink(missing_ok=True)

@@ -154,6 +154,28 @@ def tiny_int4(tiny_qwen_bundle, tmp_path_factory):
     return out
 
 
+def test_int8_twin_of_a_fused_bundle_runs(tiny_qwen_bundle, tmp_path):
+    """bench/quant_twin.py quantizes the fused graph (GroupQueryAttention, a com.microsoft op whose
+    outputs shape inference cannot type): int8 used to stop there with 'Unable to find data type'."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import quant_twin
+
+    out = tmp_path / "int8"
+    quant_twin.main([str(tiny_qwen_bundle), str(out), "--target-quant", "int8"])
+    spec = read_bundle(out).target
+    assert spec.quant == "int8" and spec.attention == "gqa"
+    ids = (np.arange(16) * 13 % 400).astype(np.int64)[None]                      # [1, 16]
+    model, ref = OnnxLM(spec, provider="cpu", threads=1), OnnxLM(read_bundle(tiny_qwen_bundle).target, provider="cpu",
+                                                                 threads=1)
+    got, want = model.forward(ids, model.new_cache())[0], ref.forward(ids, ref.new_cache())[0]   # [16, W]
+    assert np.isfinite(got).all() and not np.array_equal(got, want)                # quantized, not a copy
+    corr = np.corrcoef(got.ravel(), want.ravel())[0, 1]
+    assert corr > 0.9, f"int8 logits are not the float32 target's (correlation {corr:.3f})"
+
+
 def _padded_and_raw(bundle):
     """The bundle's int4 target as the runtime calls it (padded), and with every call as asked (raw)."""
     import dataclasses
