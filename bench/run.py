@@ -321,9 +321,9 @@ def missing_setup(key: str) -> str | None:
     """Why a peer worker cannot start (its environment or models are not set up), or None."""
     tool, _, rest = key.partition(":")
     if tool == "spectr" and rest and not (Path(rest) / "spectr.json").exists():
+        quant = next((q for q in ("int8", "int4") if q in rest), None)
         return (f"{rest} is missing; run `.venv/bin/python bench/quant_twin.py models/default {rest} "
-                f"--target-quant {'int8' if 'int8' in rest else 'int4'}`" if "int4" in rest or "int8" in rest
-                else f"{rest} is missing")
+                f"--target-quant {quant}`" if quant else f"{rest} is missing")
     if tool in SETUP and not (BENCH / f".venv-{tool}" / "bin" / "python").exists():
         return f"bench/.venv-{tool} is missing; run `{SETUP[tool]}`"
     if tool == "ortgenai":
