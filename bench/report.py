@@ -74,9 +74,11 @@ def specbench_overall(rows, methods, method, against: str | None = None) -> floa
     base_name, by = _baselines(rows, methods)
     t = next(m["temperature"] for m in methods if m["name"] == method)
     base = against or base_name.get(t)
-    pairs = [(by[(base, r["prompt_id"], r.get("group"))]["tokens_per_s"], r["tokens_per_s"]) for r in _ok(rows)
-             if r["method"] == method and r.get("tokens_per_s") and (base, r["prompt_id"], r.get("group")) in by
-             and by[(base, r["prompt_id"], r.get("group"))].get("tokens_per_s")]
+    pairs = []
+    for r in _ok(rows):
+        other = by.get((base, r["prompt_id"], r.get("group"))) or {}
+        if r["method"] == method and r.get("tokens_per_s") and other.get("tokens_per_s"):
+            pairs.append((other["tokens_per_s"], r["tokens_per_s"]))
     if not pairs or base == method:
         return None
     return sum(m for _, m in pairs) / sum(b for b, _ in pairs)
