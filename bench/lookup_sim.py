@@ -9,6 +9,7 @@ target time only (no selection or Python time), so confirm a winner with bench/r
 
     .venv/bin/python bench/lookup_sim.py                      # every raw.json under bench/results
     .venv/bin/python bench/lookup_sim.py --bundle models/default-int4 --no-table
+    .venv/bin/python bench/lookup_sim.py --table /tmp/other/lookup_table.npz   # try another table
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def greedy_sequences(paths) -> list[dict]:
         for r in raw.get("rows") or []:
             if r.get("tool") != "spectr-edge" or float(r.get("temperature", 1)) != 0.0 or "token_ids" not in r:
                 continue
-            key = (str(r["prompt_id"]), "int4" if "int4" in r["method"] else "fp32")
+            key = (str(r["prompt_id"]), next((q for q in ("int4", "int8") if q in r["method"]), "fp32"))
             if key not in seen:
                 ids = r["token_ids"]
                 seen[key] = {"prompt_id": key[0], "precision": key[1], "task": r["task"],
@@ -70,6 +71,7 @@ def main(argv=None) -> None:
     ap.add_argument("--bundle", default=str(BENCH.parent / "models" / "default-int4"),
                     help="tokenizer, cost curve and lookup table from this bundle")
     ap.add_argument("--no-table", action="store_true", help="prompt lookup without the next-token table")
+    ap.add_argument("--table", help="another lookup_table.npz instead of the bundle's (a table being tried)")
     ap.add_argument("--max-len", type=int, default=8)
     args = ap.parse_args(argv)
     bundle = read_bundle(args.bundle)
@@ -77,7 +79,8 @@ def main(argv=None) -> None:
     entry = bundle.manifest["models"]["target"]
     cost = CostCurve.for_quant(bundle.target.quant, entry.get("cost_curve")).floored(bundle.target.min_call_tokens,
                                                                                        bundle.target.call_multiple)
-    table = None if args.no_table or bundle.lookup_table is None else NgramTable.load(bundle.lookup_table)
+    table_file = args.table or bundle.lookup_table
+    table = None if args.no_table or table_file is None else NgramTable.load(table_file)
     prompts = {str(q["id"]): q["prompt"] for q in harness.load_questions()}
     paths = args.raw or sorted(BENCH.glob("results/*/raw.json"))
     rows = []

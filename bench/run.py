@@ -7,6 +7,7 @@
     .venv/bin/python bench/run.py --suite cpu                             # issue 6's bars: int4 per category vs peers
     .venv/bin/python bench/run.py --suite int4-calls                      # int4: padded vs 1-token calls, two layouts
     .venv/bin/python bench/run.py --suite int4-wide                       # int4 default vs target-only, llama.cpp: 48 prompts
+    .venv/bin/python bench/run.py --suite quant-wide                      # the same + the int8 twin's t-o and default
     .venv/bin/python bench/run.py --suite precisions                      # float32, int8, int4: default vs own target-only
     .venv/bin/python bench/run.py --suite trees                           # issue 5: draft trees, tuned defaults
     .venv/bin/python bench/run.py --suite length                          # float32: model+lookup drafts of 6, 8, 10 tokens
@@ -162,6 +163,13 @@ def on_bundle(method: dict, bundle: str, tag: str) -> dict:
             "baseline": False}
 
 
+def precision_rows(bundle, tag: str) -> list[dict]:
+    """Greedy target-only and default on another bundle, the default against that target-only."""
+    own = f"spectr-edge T=0 target-only [{tag}]"
+    return [{**on_bundle(spectr(0.0, 0), str(bundle), tag), "own_baseline": None},
+            {**on_bundle(spectr_default(0.0), str(bundle), tag), "own_baseline": own}]
+
+
 def suite(name: str, all_configs: bool = False, other_bundle: str | None = None) -> list[dict]:
     if name == "issue3":   # issue 3's grid: k in {1,2,4} x L in {2,3,4,6}, greedy and T=1, plus the defaults
         out = [spectr(0.0, 0)] + [spectr(0.0, 1, L) for L in (2, 3, 4, 6)] + [spectr_default(0.0)]
@@ -201,12 +209,16 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
         return int4[:3] + extra + int4[3:]
     if name == "cpu":       # issue 6's bars: int4 target per category, against ORT GenAI and llama.cpp, greedy
         return cpu_suite(other_bundle)
-    if name == "int4-wide":  # issue 6's int4 bars on 48 prompts: target-only, the default, llama.cpp, ORT GenAI
-        # ORT GenAI's int4 target alone: its fastest int4 configuration in every run so far (with its
-        # 0.5B draft it was 0.73x of that in section 000000); --all-configs adds the draft row
+    if name in ("int4-wide", "quant-wide"):  # issue 6's int4 bars on 48 prompts: target-only, the default,
+        # llama.cpp, ORT GenAI's int4 target alone (its fastest int4 configuration in every run so far;
+        # with its 0.5B draft it was 0.73x of that in section 000000); --all-configs adds the draft row.
+        # quant-wide adds the int8 twin's target-only and default (the moonshot: the fastest lossless
+        # configuration against llama.cpp's Q4 decode)
         int4, og = cpu_suite(other_bundle), "ortgenai:qwen1.5b-int4"
-        out = int4[:2] + [peer("llama.cpp", "llamacpp", "Q4 target-only", 0.0),
-                          peer("ortgenai", og, "int4 target-only", 0.0)]
+        out = int4[:2]
+        if name == "quant-wide":
+            out += precision_rows(INT8_BUNDLE, "int8 target")
+        out += [peer("llama.cpp", "llamacpp", "Q4 target-only", 0.0), peer("ortgenai", og, "int4 target-only", 0.0)]
         if all_configs:
             out.append(peer("ortgenai", og + "+qwen0.5b-int4", "int4 + int4 draft, 4 tokens", 0.0,
                             {"speculative": "draft", "max_draft_tokens": 4}, own="int4 target-only"))
@@ -214,9 +226,7 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
     if name == "precisions":  # issue 6's never-slower check: each target precision's default vs its own target-only
         out = [spectr(0.0, 0), spectr_default(0.0)]
         for bundle, tag in ((INT8_BUNDLE, "int8 target"), (other_bundle or INT4_BUNDLE, "int4 target")):
-            own = f"spectr-edge T=0 target-only [{tag}]"
-            out += [{**on_bundle(spectr(0.0, 0), str(bundle), tag), "own_baseline": None},
-                    {**on_bundle(spectr_default(0.0), str(bundle), tag), "own_baseline": own}]
+            out += precision_rows(bundle, tag)
         return out
     if name == "trees":     # issue 5: draft trees and the tuned defaults, greedy and T=1 (tune both bundles first)
         return trees_suite(other_bundle)
@@ -225,7 +235,7 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
     if name == "length":    # issue 5, float32 target: longer model+lookup drafts now that the draft is cheaper
         return [spectr(0.0, 0), spectr_default(0.0), model_lookup(8), model_lookup(10)]
     raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu, int4-calls, "
-                     "int4-wide, precisions, trees, window or length")
+                     "int4-wide, quant-wide, precisions, trees, window or length")
 
 
 def tree_method(temperature: float, budget: int, depth: int) -> dict:
@@ -457,7 +467,7 @@ def main(argv=None) -> None:
     subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1", "peers": "stratified-1",
                                "adaptive": "stratified-1", "cpu": "stratified-2", "window": "stratified-2",
                                "int4-calls": "stratified-2", "length": "stratified-2",
-                               "trees": "stratified-1", "int4-wide": "stratified-8",
+                               "trees": "stratified-1", "int4-wide": "stratified-8", "quant-wide": "stratified-8",
                                "precisions": "stratified-2"}.get(
         args.suite, "stratified-4")
     if args.quick:

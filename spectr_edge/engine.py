@@ -124,7 +124,10 @@ class Engine:
             table = self.lookup_table if req.drafter == "lookup" or req.adaptive else None
             lookup = PromptLookup(self.cost, req.lookup_len, max_ngram=req.lookup_ngram[1],
                                   min_ngram=req.lookup_ngram[0], table=table)
-        stats.num_candidates, stats.draft_len = num_candidates, req.draft_len if use_model else req.lookup_len
+        # --draft lookup -k N (a tree target): up to N copied candidates verified as one token trie
+        lookup_count = req.num_candidates if not use_model and self.target.takes_tree else 1
+        stats.num_candidates = num_candidates if use_model else lookup_count
+        stats.draft_len = req.draft_len if use_model else req.lookup_len
         stats.reached, stats.accepted_at = [0] * stats.draft_len, [0] * stats.draft_len
         policy = None
         if req.adaptive and use_model and num_candidates == 1:
@@ -141,8 +144,14 @@ class Engine:
             # a step emits up to L + 1 tokens; never draft past the budget or the context
             budget = min(req.max_new_tokens - emitted - 1, self.context_length - len(ids) - 1)
             draft_len = min(req.draft_len, budget)
-            proposal = []
-            if lookup is not None and budget >= 1:
+            proposal, trie_rows = [], None
+            if lookup is not None and budget >= 1 and lookup_count > 1:
+                # several copied candidates in one token trie: a chain is verified as one draft
+                t0 = time.perf_counter()
+                trie_rows, verified = lookup.propose_trie(ids, budget, lookup_count)
+                proposal = trie_rows[0] if len(trie_rows) == 1 else []
+                stats.seconds_select += time.perf_counter() - t0
+            elif lookup is not None and budget >= 1:
                 t0 = time.perf_counter()
                 proposal, ngram = lookup.propose(ids, budget)
                 if proposal and policy is not None and draft_len >= 1 and \
@@ -152,9 +161,15 @@ class Engine:
             if policy is not None and draft_len >= 1 and not proposal:
                 draft_len = policy.choose(draft_len)
                 stats.undrafted += draft_len == 0          # the length rule chose a plain step
-            if proposal:
+            if trie_rows is not None and len(trie_rows) > 1:
+                tokens = self._lookup_trie_step(ids, t_cache, trie_rows, req, rng, stats)
+                lookup.update_trie(verified, tokens)
+            elif proposal:
                 tokens = self._lookup_step(ids, t_cache, proposal, req, rng, stats)
-                lookup.update(ngram, len(proposal), len(tokens) - 1)
+                if trie_rows is not None:
+                    lookup.update_trie(verified, tokens)
+                else:
+                    lookup.update(ngram, len(proposal), len(tokens) - 1)
             elif draft_len < 1 or not use_model:
                 tokens = self._plain_step(ids, t_cache, req, rng, stats)
             elif dynamic_tree and shape is not None:
@@ -206,6 +221,38 @@ class Engine:
         stats.lookup_accepted += accepted
         _record_step(stats, len(draft), accepted)
         t_cache.crop(len(ids) + accepted)                                        # ids[:-1] + ids[-1] + accepted
+        return out
+
+    def _lookup_trie_step(self, ids, t_cache, rows, req, rng, stats) -> list[int]:
+        """Verify several deterministic drafts as one token trie in one batch-1 call. From the root,
+        each position's token is chosen from the target's own logits at that node, exactly as plain
+        decoding chooses it (argmax, or a draw from q); the walk follows the child holding it and
+        stops at the first token no child holds, which is still emitted. A deterministic draft then
+        only decides which rows were precomputed: the output law is the target's."""
+        trie = TokenTrie(ids[-1], rows)
+        node_logits = self.target.forward(trie.tokens[None], t_cache, trie.ancestors, trie.depth)[0]  # [N, W]
+        self._charge(stats, len(trie.tokens))
+        stats.steps += 1
+        stats.lookup_steps += 1
+        stats.lookup_tries += 1
+        stats.scored += len(trie.tokens)
+        t0 = time.perf_counter()
+        node, out, path = 0, [], [0]
+        while True:
+            tok = self._choose(node_logits[node], req.sampling, rng)
+            out.append(tok)
+            child = trie.children.get((node, tok))
+            if child is None:
+                break
+            node = child
+            path.append(node)
+        stats.seconds_select += time.perf_counter() - t0
+        accepted = len(out) - 1
+        stats.lookup_drafted += len(trie.tokens) - 1
+        stats.lookup_accepted += accepted
+        _record_step(stats, int(trie.depth.max()), accepted)
+        past = len(ids) - 1
+        t_cache.gather(past, past + np.asarray(path))
         return out
 
     def _plain_step(self, ids, t_cache, req, rng, stats) -> list[int]:

@@ -61,12 +61,13 @@ def tuned_options(bundle: Bundle, temperature: float) -> dict:
 
 def builtin_options(bundle: Bundle, temperature: float) -> dict:
     """For an untuned bundle with a quantized target: prompt lookup, which `tune` chose for the
-    int4 target on the 2-core CPU in both regimes (a draft-model step costs half an int4 target
-    step there; bench/RESULTS.md section 00). Greedy on other bundles with a draft: lookup
-    before the draft model (copies long inputs the windowed draft cannot see: 1.75x and never
-    slower per prompt on the float32 default bundle, section 000). Otherwise {} (DEFAULT_GREEDY /
-    DEFAULT_SAMPLING)."""
-    if bundle.target.quant == "int4":
+    int4 and the int8 target on the 2-core CPUs in both regimes (a draft-model step costs half an
+    int4 target step and 0.38 of an int8 one there, while verifying copied tokens is nearly
+    free; bench/RESULTS.md sections 00 and 00000000). Greedy on other bundles with a draft:
+    lookup before the draft model (copies long inputs the windowed draft cannot see: 1.75x and
+    never slower per prompt on the float32 default bundle, section 000). Otherwise {}
+    (DEFAULT_GREEDY / DEFAULT_SAMPLING)."""
+    if bundle.target.quant in ("int4", "int8"):
         return {"drafter": "lookup", "num_candidates": 1}
     if temperature == 0 and bundle.draft is not None:
         return {"drafter": "model+lookup"}
@@ -190,12 +191,16 @@ class Generator:
             num_candidates, draft_len = tuned.get("num_candidates"), tuned.get("draft_len")
             draft_stop, adaptive, tree_budget = tuned.get("draft_stop"), tuned.get("adaptive"), tuned.get("tree_budget")
             drafter = tuned.get("drafter") if num_candidates != 0 else None
-            if drafter == "lookup":
-                num_candidates, draft_len = None, None
-        if drafter == "lookup":         # prompt lookup alone: no draft model, one candidate, its own length
-            _check(num_candidates in (None, 1), f"prompt lookup drafts one candidate (got num_candidates="
-                   f"{num_candidates}); leave -k unset or use --draft model")
-            num_candidates, default_len = 1, DEFAULT_LOOKUP_LEN
+            if drafter == "lookup":     # its own length rule; k > 1: candidates in one trie
+                draft_len = None
+        if drafter == "lookup":         # prompt lookup alone: no draft model, its own length
+            # k > 1: up to k copied candidates in one token trie, which needs a tree-mask target
+            _check(num_candidates in (None, 1) or (isinstance(num_candidates, int) and num_candidates > 1
+                                                    and self.target.takes_tree),
+                   f"prompt lookup drafts several candidates (num_candidates={num_candidates}) only as one "
+                   "token trie, and this bundle's target takes no tree mask; leave -k unset or run "
+                   "spectr-edge export --add-tree-mask --out BUNDLE")
+            num_candidates, default_len = num_candidates or 1, DEFAULT_LOOKUP_LEN
         if num_candidates is None:
             num_candidates = default_k if self.draft is not None else 0
         _check(isinstance(num_candidates, int) and num_candidates >= 0,

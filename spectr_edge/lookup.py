@@ -83,3 +83,118 @@ class PromptLookup:
         """Positions verified: accepted + 1 (the first rejected one) unless all were accepted."""
         self.reached[n] += min(accepted + 1, draft_len)
         self.accepted[n] += accepted
+
+    # -- several candidates in one token trie (tree bundles) ------------------------------------
+    def candidates(self, ids, limit: int, count: int) -> list[tuple[list[int], object]]:
+        """Up to `count` distinct drafts (tokens, stats key): the continuations of earlier matches of
+        the text's last 1-3 tokens (longest n-gram first; within one size the latest occurrences with
+        `limit` tokens after them first, then the others from the earliest), then the table's chain
+        of guesses (each the most common follower of the two tokens before it). The first is what
+        propose() would copy; the others' keys are ("alt", n), their own acceptance statistics. A
+        draft that repeats an earlier one or a prefix of it adds nothing to a trie and is skipped."""
+        arr = np.asarray(ids, dtype=np.int64)                       # [T]
+        out: list[tuple[list[int], object]] = []
+        limit = min(limit, self.max_len)
+        if limit < 1:
+            return out
+
+        def add(tokens: list[int], n: int) -> None:
+            if tokens and not any(c[:len(tokens)] == tokens for c, _ in out):
+                out.append((tokens, n if not out else ("alt", n)))
+
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(arr) <= n or len(out) >= count:
+                continue
+            windows = sliding_window_view(arr[:-1], n)              # [T - n, n]
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+            if not hits.size:
+                continue
+            full = hits[hits + n + limit <= len(arr)][::-1]
+            rest = hits[hits + n + limit > len(arr)]
+            for h in list(full[:4 * count]) + list(rest[:4 * count]):
+                start = int(h) + n
+                add([int(t) for t in arr[start:start + limit]], n)
+                if len(out) >= count:
+                    break
+        if self.table is not None and len(out) < count:
+            chain, context = [], list(ids[-2:])
+            first = self.table.guess(context)
+            n = -first[1] if first is not None else 0
+            while len(chain) < limit:
+                g = self.table.guess(context)
+                if g is None:
+                    break
+                chain.append(g[0])
+                context = [context[-1], g[0]]
+            add(chain, n)
+        return out
+
+    def key_acceptance(self, key) -> float:
+        self.accepted.setdefault(key, PRIOR_ACCEPTED)
+        self.reached.setdefault(key, PRIOR_REACHED)
+        return self.accepted[key] / self.reached[key]
+
+    def propose_trie(self, ids, limit: int, count: int) -> tuple[list[list[int]], list[tuple[list[int], object, int]]]:
+        """The token trie to verify this step: (rows: the paths to its leaves, [] for a plain step;
+        the candidates as (tokens, key, how many of their first tokens the trie holds)).
+
+        Each candidate's j-th token is on the accepted path with estimated chance a^j (a: its key's
+        acceptance so far); a node holds the best such chance among the candidates through it,
+        never above its parent's. The trie is the set of the n likeliest nodes (ancestor-closed)
+        for the n with the most expected tokens, 1 + the sum of those chances, per unit of target
+        time c(n + 1); n = 0, a plain step, unless some n beats it."""
+        cands = self.candidates(ids, limit, count)
+        children: dict[tuple[int, int], int] = {}
+        parent, token, chance = [-1], [-1], [1.0]
+        for tokens, key in cands:
+            a, node = self.key_acceptance(key), 0
+            for j, tok in enumerate(tokens):
+                p = min(a ** (j + 1), chance[node])
+                child = children.get((node, tok))
+                if child is None:
+                    child = children[(node, tok)] = len(token)
+                    parent.append(node)
+                    token.append(tok)
+                    chance.append(p)
+                else:
+                    chance[child] = max(chance[child], p)
+                node = child
+        order = sorted(range(1, len(token)), key=lambda i: (-chance[i], i))   # parents before children
+        best, best_rate, expected = 0, 1.0, 1.0
+        for size, node in enumerate(order, start=1):
+            expected += chance[node]
+            rate = expected / self.cost(size + 1)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = size, rate
+        kept = set(order[:best])
+        leaves = [i for i in kept if not any(parent[j] == i for j in kept)]
+        rows = []
+        for leaf in sorted(leaves):
+            path, node = [], leaf
+            while node > 0:
+                path.append(token[node])
+                node = parent[node]
+            rows.append(path[::-1])
+        verified = []
+        for tokens, key in cands:
+            node, held = 0, 0
+            for tok in tokens:
+                node = children[(node, tok)]
+                if node not in kept:
+                    break
+                held += 1
+            verified.append((tokens, key, held))
+        return rows, verified
+
+    def update_trie(self, verified: list[tuple[list[int], object, int]], emitted: list[int]) -> None:
+        """After a trie step that emitted `emitted`: each candidate's verified tokens count as reached
+        up to its first one off the emitted path, accepted while on it."""
+        for tokens, key, held in verified:
+            if held == 0:
+                continue
+            accepted = 0
+            while accepted < held and accepted < len(emitted) and tokens[accepted] == emitted[accepted]:
+                accepted += 1
+            self.key_acceptance(key)
+            self.reached[key] += min(accepted + 1, held)
+            self.accepted[key] += accepted

@@ -18,6 +18,7 @@ class GenerationStats:
     accepted: int = 0                # draft tokens accepted
     undrafted: int = 0               # steps the adaptive length rule decoded plainly (drafting would not pay)
     lookup_steps: int = 0            # steps that verified a prompt-lookup draft (counted in steps too)
+    lookup_tries: int = 0            # of those, steps whose copied candidates formed a trie of several branches
     lookup_drafted: int = 0
     lookup_accepted: int = 0
     scored: int = 0                  # tokens the target scored in speculative steps (rows x (L+1), or trie nodes)
@@ -89,7 +90,9 @@ class GenerationStats:
                 lines.append(f"adaptive length: {self.undrafted} plain steps where drafting would not pay")
             if self.lookup_steps:
                 lines.append(f"prompt lookup: {self.lookup_steps} of the steps, accepted {self.lookup_accepted}/"
-                             f"{self.lookup_drafted} copied tokens")
+                             f"{self.lookup_drafted} copied tokens"
+                             + (f", {self.lookup_tries} steps verified several candidates as one trie"
+                                if self.lookup_tries else ""))
         else:
             lines.append("target only (no draft)")
         lines.append(f"calls: target {self.target_calls}, draft {self.draft_calls}; time: target "

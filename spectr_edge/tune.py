@@ -135,6 +135,9 @@ def candidates(gen) -> dict[str, list[dict]]:
     """The policies `choose` compares, per regime; options as `generate` takes them."""
     greedy: list[dict] = [{"num_candidates": 0}, {"drafter": "lookup"}]
     sampling: list[dict] = [{"num_candidates": 0}, {"drafter": "lookup"}]
+    if gen.target.takes_tree:       # several copied candidates verified as one trie
+        greedy.append({"drafter": "lookup", "num_candidates": 4})
+        sampling.append({"drafter": "lookup", "num_candidates": 4})
     if gen.draft is not None:
         model = lambda **kw: {"drafter": "model", "draft_stop": 0.0, "adaptive": False, **kw}  # noqa: E731
         greedy += [model(num_candidates=1, draft_len=3), model(num_candidates=1, draft_len=6, draft_stop=0.5),
@@ -159,7 +162,8 @@ def describe(options: dict) -> str:
         return "target only"
     drafter = options.get("drafter", "model")
     if drafter == "lookup":
-        return "prompt lookup"
+        k = options.get("num_candidates") or 1
+        return "prompt lookup" + (f", {k} candidates in one trie" if k > 1 else "")
     if options.get("tree_budget"):
         return f"{drafter} tree of {options['tree_budget']} nodes, depth <= {options.get('draft_len')}"
     text = f"{drafter} k={options.get('num_candidates', 1)} L={options.get('draft_len')}"

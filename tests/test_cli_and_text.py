@@ -55,7 +55,7 @@ def test_generate_json_and_no_draft(toy_dir):
     (["-k", "-1"], "num-candidates"),
     (["--provider", "npu"], "npu"),
     (["--chat"], "no chat template"),
-    (["--draft", "lookup", "-k", "2"], "prompt lookup drafts one candidate"),
+    (["--draft", "lookup", "-k", "2"], "prompt lookup drafts several candidates"),   # no tree mask here
     (["--draft", "lookup", "--no-draft"], "contradict each other"),
     (["--draft", "copy"], "copy"),
     (["--draft-window", "-3"], "draft_window must be an integer >= 0"),
@@ -79,6 +79,20 @@ def test_prompt_lookup_from_the_command_line(toy_dir):
     res = run_cli("generate", "a b a b a b", "--bundle", str(toy_dir), "--provider", "cpu", "-n", "12", "--stats",
                   "--draft", "model+lookup")
     assert res.returncode == 0 and "prompt lookup:" in res.stderr, res.stderr
+
+
+def test_lookup_candidates_as_one_trie_from_the_command_line(tmp_path):
+    """--draft lookup -k 4 on a bundle whose target takes a tree mask: target greedy, and --stats says
+    how many steps verified several copied candidates as one trie."""
+    tree_dir = build_toy_bundle(tmp_path / "tree", seed_target=21, seed_draft=22, tree_mask=True)
+    args = ["generate", "a b c a b d a b", "--bundle", str(tree_dir), "--provider", "cpu", "-n", "24"]
+    plain = json.loads(run_cli(*args, "--json", "--no-draft").stdout)
+    res = run_cli(*args, "--json", "--draft", "lookup", "-k", "4")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["token_ids"] == plain["token_ids"] and out["stats"]["lookup_tries"] > 0, out["stats"]
+    res = run_cli(*args, "--stats", "--draft", "lookup", "-k", "4")
+    assert res.returncode == 0 and "as one trie" in res.stderr, res.stderr
 
 
 def test_add_lookup_table_upgrades_a_bundle(toy_dir, tmp_path):

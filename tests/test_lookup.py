@@ -174,3 +174,69 @@ def test_sampled_conversations_follow_the_chat_template(tiny_qwen_bundle):
             if i + len(to_user) < len(row):
                 assert row[i + len(to_user)] in openers
     assert sample(0) == rows and sample(1) != rows
+
+
+@pytest.mark.parametrize("quant, has_draft, temperature, expected", [
+    ("int4", True, 0.0, {"drafter": "lookup", "num_candidates": 1}),
+    ("int8", True, 1.0, {"drafter": "lookup", "num_candidates": 1}),
+    ("int8", False, 0.0, {"drafter": "lookup", "num_candidates": 1}),
+    ("none", True, 0.0, {"drafter": "model+lookup"}),
+    ("none", True, 1.0, {}),
+    ("none", False, 0.0, {}),
+])
+def test_untuned_bundles_get_the_builtin_choice_and_tuned_ones_theirs(quant, has_draft, temperature, expected):
+    from types import SimpleNamespace
+
+    from spectr_edge.generator import tuned_options
+    bundle = SimpleNamespace(target=SimpleNamespace(quant=quant), draft=object() if has_draft else None,
+                             manifest={})
+    assert tuned_options(bundle, temperature) == expected
+    bundle.manifest = {"defaults": {"greedy": {"drafter": "model", "draft_len": 3, "unknown": 1},
+                                    "sampling": {"drafter": "model", "num_candidates": 2}}}
+    assert tuned_options(bundle, temperature) == ({"drafter": "model", "draft_len": 3} if temperature == 0
+                                                  else {"drafter": "model", "num_candidates": 2})
+
+
+# --------------------------------------------------------------------------- several candidates, one trie
+
+
+def test_candidates_are_distinct_continuations_primary_first():
+    lk = PromptLookup(FLAT, max_len=8, max_ngram=2, min_ngram=1)
+    ids = [1, 2, 7, 7, 1, 2, 8, 8, 3, 2, 9, 1, 2]
+    cands = lk.candidates(ids, 2, count=8)
+    assert cands[0] == (lk.search(ids, 2)[0], 2) == ([8, 8], 2)        # what propose() would copy
+    # the other (1, 2) match, then the unigram 2's other continuations (9 1; 7 7 / 8 8 already in)
+    assert cands[1:] == [([7, 7], ("alt", 2)), ([9, 1], ("alt", 1))]
+    assert lk.candidates(ids, 2, count=2) == cands[:2]
+    assert lk.candidates([1, 2, 3], 4, count=4) == []                   # nothing earlier matches, no table
+
+
+def test_trie_keeps_the_nodes_that_pay():
+    lk = PromptLookup(FLAT, max_len=8, max_ngram=2, min_ngram=1)
+    ids = [1, 2, 7, 7, 1, 2, 8, 8, 3, 2, 9, 1, 2]
+    rows, verified = lk.propose_trie(ids, 2, count=8)
+    assert sorted(rows) == [[7, 7], [8, 8], [9, 1]]                       # free verification: everything
+    assert [held for _, _, held in verified] == [2, 2, 2]
+    steep = CostCurve([(1, 1.0), (2, 1.2), (3, 2.4), (8, 8.0)])
+    lk = PromptLookup(steep, max_len=8, max_ngram=2, min_ngram=1)
+    rows, verified = lk.propose_trie(ids, 2, count=8)
+    assert rows == [[8]]                # at the prior 0.5: one node pays (1.5 / 1.2), a second does not
+    assert [held for _, _, held in verified] == [1, 0, 0]
+    lk.update_trie(verified, [8, 5])                                    # the copied 8 was right
+    assert lk.acceptance(2) == pytest.approx(2 / 3) and lk.key_acceptance(("alt", 2)) == 0.5
+    for _ in range(20):
+        lk.update_trie([([8, 8], 2, 1)], [4])                           # then always wrong
+    assert lk.propose_trie(ids, 2, count=8)[0] == [[7]]                 # the likeliest now: an alternative
+    for _ in range(20):
+        lk.update_trie([([7, 7], ("alt", 2), 1), ([9, 1], ("alt", 1), 1)], [4])
+    assert lk.propose_trie(ids, 2, count=8)[0] == []                    # none pays: a plain step
+
+
+def test_table_chain_joins_the_trie(tmp_path):
+    from spectr_edge.ngram_table import NgramTable, build_table
+
+    table = NgramTable(build_table(np.asarray([4, 5, 6, 4, 5, 6]), 10))
+    lk = PromptLookup(FLAT, max_len=8, table=table)
+    assert lk.candidates([1, 2, 3, 4], 3, count=4) == [([5, 6, 4], -1)]     # no text match: the table's chain
+    cands = lk.candidates([4, 1, 2, 4], 3, count=4)                         # 4 occurred before: copied first
+    assert cands == [([1, 2, 4], 1), ([5, 6, 4], ("alt", -1))]

@@ -154,6 +154,7 @@ class Draws:
     steps: int = 0
     lookup_steps: int = 0         # steps that verified a prompt-lookup draft
     undrafted: int = 0            # steps the adaptive length rule decoded plainly
+    lookup_tries: int = 0         # lookup steps that verified several candidates as one trie
 
 
 def draw(gen, cfg: Config) -> Draws:
@@ -175,10 +176,10 @@ def draw(gen, cfg: Config) -> Draws:
         s = res.stats
         totals.update(accepted=s.accepted, drafted=s.drafted, target_calls=s.target_calls,
                       draft_calls=s.draft_calls, scored=s.scored, steps=s.steps, lookup_steps=s.lookup_steps,
-                      undrafted=s.undrafted)
+                      undrafted=s.undrafted, lookup_tries=s.lookup_tries)
     return Draws(counts, cfg.draws, totals["accepted"], totals["drafted"], totals["target_calls"],
                  totals["draft_calls"], time.perf_counter() - started, totals["scored"], totals["steps"],
-                 totals["lookup_steps"], totals["undrafted"])
+                 totals["lookup_steps"], totals["undrafted"], totals["lookup_tries"])
 
 
 def check_law(draws: Draws, laws: dict[str, dict]) -> list[str]:
@@ -495,6 +496,58 @@ def test_negative_control_lookup_accepting_every_copy(bundle, gen, monkeypatch):
     draws = draw(gen, cfg)
     assert draws.lookup_steps > 0
     assert_law_rejected(bundle, cfg, draws)
+
+
+def test_lookup_trie_output_law_equals_target(tree_bundle, tree_gen):
+    """--draft lookup -k 4 on a tree bundle: up to 4 copied candidates verified as one trie, each
+    position's token drawn from the target's own q at its node. Bound: chi-square at p = 1e-4 per
+    window, as every law test here."""
+    cfg = Config(4, 4, 1.0, top_k=3, prompt=LONG_PROMPT, seed=34, drafter="lookup")
+    draws = draw(tree_gen, cfg)
+    assert draws.lookup_steps > draws.n // 4 and draws.draft_calls == 0
+    assert draws.lookup_tries > draws.n // 4, draws.lookup_tries      # several candidates in one trie, often
+    assert_engine_follows_target(tree_bundle, tree_gen, cfg, draws)
+
+
+def test_negative_control_lookup_trie_following_every_copy(tree_bundle, tree_gen, monkeypatch):
+    """A trie walk that takes a copied child outright (instead of drawing from q) is detected."""
+    from spectr_edge import engine
+
+    def follow_copies(self, ids, t_cache, rows, req, rng, stats):
+        trie = engine.TokenTrie(ids[-1], rows)
+        logits = self.target.forward(trie.tokens[None], t_cache, trie.ancestors, trie.depth)[0]
+        stats.lookup_steps += 1
+        stats.lookup_tries += 1
+        node, out, path = 0, [], [0]
+        while True:
+            kids = [tok for (parent, tok) in trie.children if parent == node]
+            tok = kids[0] if kids else self._choose(logits[node], req.sampling, rng)
+            out.append(tok)
+            if not kids:
+                break
+            node = trie.children[(node, tok)]
+            path.append(node)
+        t_cache.gather(len(ids) - 1, len(ids) - 1 + np.asarray(path))
+        return out
+
+    monkeypatch.setattr(engine.Engine, "_lookup_trie_step", follow_copies)
+    cfg = Config(4, 4, 1.0, top_k=3, prompt=LONG_PROMPT, draws=NEGATIVE_DRAWS, seed=36, drafter="lookup")
+    draws = draw(tree_gen, cfg)
+    assert draws.lookup_tries > 0
+    assert_law_rejected(tree_bundle, cfg, draws)
+
+
+def test_lookup_trie_greedy_equals_target_only(tree_gen):
+    rng = np.random.default_rng(35)
+    tries = 0
+    for trial in range(16):
+        prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(3, 12)))]
+        plain = tree_gen.generate_ids(prompt, max_new_tokens=20, temperature=0.0, num_candidates=0).token_ids
+        for k in (2, 4, 8):
+            res = tree_gen.generate_ids(prompt, max_new_tokens=20, temperature=0.0, drafter="lookup", num_candidates=k)
+            assert res.token_ids == plain, (prompt, k)
+            tries += res.stats.lookup_tries
+    assert tries > 0
 
 
 def test_prompt_lookup_greedy_equals_target_only(gen, tree_gen):

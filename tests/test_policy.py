@@ -161,6 +161,14 @@ def test_generate_uses_tuned_defaults_unless_options_are_given(tiny_qwen_bundle,
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["stats"]["draft_calls"] == 0 and out["stats"]["num_candidates"] == 1
+    # a tuned lookup trie (several copied candidates) keeps its k
+    trie = spectr_edge.load(_with_defaults(tiny_qwen_bundle, tmp_path / "t", {"greedy": {"drafter": "lookup",
+                                                                                       "num_candidates": 4}}),
+                            provider="cpu", threads=1)
+    assert trie.target.takes_tree
+    res = trie.generate_ids(prompt, max_new_tokens=24)
+    assert res.stats.num_candidates == 4 and res.stats.draft_calls == 0
+    assert res.token_ids == trie.generate_ids(prompt, max_new_tokens=24, num_candidates=0).token_ids
 
 
 def test_tune_cost_curve_fit_is_monotone_and_local():
