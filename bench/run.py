@@ -216,8 +216,12 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
         # configuration against llama.cpp's Q4 decode)
         int4, og = cpu_suite(other_bundle), "ortgenai:qwen1.5b-int4"
         out = int4[:2]
-        if name == "quant-wide":
-            out += precision_rows(INT8_BUNDLE, "int8 target")
+        if name == "quant-wide":   # + prompt lookup with 4 candidates in one trie (int8's flat cost curve)
+            trie = {**lookup(0.0, "lookup"), "name": "spectr-edge T=0 lookup, 4 candidates in one trie",
+                    "config": {"temperature": 0.0, "drafter": "lookup", "k": 4}}
+            out += precision_rows(INT8_BUNDLE, "int8 target") + [
+                {**on_bundle(trie, str(INT8_BUNDLE), "int8 target"),
+                 "own_baseline": "spectr-edge T=0 target-only [int8 target]"}]
         out += [peer("llama.cpp", "llamacpp", "Q4 target-only", 0.0), peer("ortgenai", og, "int4 target-only", 0.0)]
         if all_configs:
             out.append(peer("ortgenai", og + "+qwen0.5b-int4", "int4 + int4 draft, 4 tokens", 0.0,
