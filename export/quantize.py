@@ -2,7 +2,13 @@
 
     quantize(src, dst, "int8" | "int4")
 
-int8: quantize_dynamic, QInt8 weights (activations quantized on the fly).
+int8: MatMulNBits with 8-bit weights, 128 per block with a scale and a zero point, accuracy_level
+4 (int8 activations quantized per row and block inside the kernel), since stop 16. Before, int8 was
+quantize_dynamic (MatMulInteger after DynamicQuantizeLinear), whose activation scale is one per
+tensor, i.e. per call over all its rows: a token's logits then depended on the other tokens scored
+with it, so speculative greedy output drifted from target-only greedy (74 of 96 generations on
+the 1.5B target differed, bench/RESULTS.md section 00000000). MatMulNBits keeps rows independent
+(the same padding rules as int4 make every call compute the same numerics).
 int4: MatMulNBits (accuracy_level 4: int8 activations in the kernel), by default 128 weights per
 block with a scale and a zero point each (the "g128" layout of GPTQ/AWQ checkpoints). On the 2-core
 CPU a decode of the 1.5B target costs 35 ms at block 128 against 47 ms at block 32 (symmetric, the
@@ -17,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +33,7 @@ INT4_BLOCK_SIZE = 128
 INT4_BLOCK_SIZES = (32, 64, 128, 256)
 INT4_SYMMETRIC = False   # a zero point per block: better accuracy at the same speed
 INT4_ACCURACY_LEVEL = 4
+INT8_BLOCK_SIZE = 128
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf caps a single file at 2 GB
 
 
@@ -90,14 +96,16 @@ def _weight_bytes(model) -> int:
 
 
 def min_call_tokens(path: Path) -> int:
-    """2 when the graph's int4 MatMulNBits compute with int8 activations (accuracy_level 4), else 1.
+    """2 when the graph's MatMulNBits (int4 or, since stop 16, int8 weights) compute with int8
+    activations (accuracy_level 4), else 1.
 
     ONNX Runtime's CPU kernel then takes another path for a 1-row call than for 2 or more rows
     (measured on the 1.5B int4 target: the same token's logits move by 0.17 between a 1-token call
     and any longer one, and are bit-identical across 2, 3, ..., 16), so greedy speculative output
     would drift from 1-token decoding at near-ties. The runtime pads 1-token calls of such a target
     to 2 (spectr_edge/onnx_model.py), which makes every call use the same numerics.
-    int8 dynamic quantization scales activations per call over all rows: padding cannot fix that.
+    The int8 of older bundles (DynamicQuantizeLinear) scales activations per call over all rows:
+    padding cannot fix that (the runtime warns about such bundles, spectr_edge/generator.py).
     """
     import onnx
 
@@ -142,31 +150,13 @@ def quantize(src: Path, dst: Path, quant: str, block_size: int = INT4_BLOCK_SIZE
     large = _weight_bytes(model) > EXTERNAL_DATA_BYTES
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    if quant == "int4":
-        MatMulNBitsQuantizer = _import_nbits()
-        q = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=symmetric,
-                                 accuracy_level=INT4_ACCURACY_LEVEL)
-        with _quiet_root_logger():
-            q.process()
-        del model
-        gc.collect()
-        q.model.save_model_to_file(str(dst), use_external_data_format=large)
-        return untied
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    # quantize_dynamic reads a path best: save the untied graph beside dst first
-    tmp = dst.with_name(f"untied-{os.getpid()}.onnx")
-    try:
-        onnx.save_model(model, str(tmp), save_as_external_data=large, all_tensors_to_one_file=True,
-                        location=tmp.name + ".data")
-        del model
-        gc.collect()
-        with _quiet_root_logger():
-            # DefaultTensorType: shape inference cannot type the outputs of com.microsoft ops (a fused
-            # graph's GroupQueryAttention, quantized by bench/quant_twin.py), which quantize_dynamic needs
-            quantize_dynamic(str(tmp), str(dst), weight_type=QuantType.QInt8, use_external_data_format=large,
-                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-    finally:
-        tmp.unlink(missing_ok=True)
-        tmp.with_name(tmp.name + ".data").unlink(missing_ok=True)
+    MatMulNBitsQuantizer = _import_nbits()
+    bits, block = (4, block_size) if quant == "int4" else (8, INT8_BLOCK_SIZE)
+    q = MatMulNBitsQuantizer(model, bits=bits, block_size=block, is_symmetric=symmetric,
+                             accuracy_level=INT4_ACCURACY_LEVEL)
+    with _quiet_root_logger():
+        q.process()
+    del model
+    gc.collect()
+    q.model.save_model_to_file(str(dst), use_external_data_format=large)
     return untied

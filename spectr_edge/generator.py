@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -91,6 +92,11 @@ class Generator:
         if load_draft and bundle.draft is not None:
             self.draft = OnnxLM(bundle.draft, draft_provider or provider, threads, spinning=False)
         target_entry = bundle.manifest["models"]["target"]
+        if bundle.target.quant == "int8" and bundle.target.min_call_tokens == 1:
+            # int8 exported before stop 16 (quantize_dynamic): one activation scale per call
+            print("spectr-edge: warning: this bundle's int8 target quantizes activations per call "
+                  "(exported before 2026-12-02), so speculative output can differ from its target-only "
+                  "output at near-ties; re-export with --target-quant int8", file=sys.stderr)
         cost = CostCurve.for_quant(bundle.target.quant, target_entry.get("cost_curve"))
         draft_cost, draft_rows = None, None
         if bundle.draft is not None:
@@ -200,6 +206,13 @@ class Generator:
                    f"prompt lookup drafts several candidates (num_candidates={num_candidates}) only as one "
                    "token trie, and this bundle's target takes no tree mask; leave -k unset or run "
                    "spectr-edge export --add-tree-mask --out BUNDLE")
+            # a trie's nodes attend over gaps (the other branches), which changes the attention's
+            # rounding; kernels that quantize activations (int4/int8 MatMulNBits, min_call_tokens 2)
+            # amplify that into greedy flips at near-ties (4 of 12 generations on the 1.5B int8 target)
+            _check(not (num_candidates or 1) > 1 or self.target.spec.min_call_tokens == 1,
+                   f"prompt lookup's trie (num_candidates={num_candidates}) is not bit-exact on this bundle's "
+                   f"{self.target.spec.quant} target (its kernels quantize activations, and a trie changes the "
+                   "attention's rounding); leave -k unset for exact greedy output")
             num_candidates, default_len = num_candidates or 1, DEFAULT_LOOKUP_LEN
         if num_candidates is None:
             num_candidates = default_k if self.draft is not None else 0

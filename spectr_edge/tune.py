@@ -135,7 +135,7 @@ def candidates(gen) -> dict[str, list[dict]]:
     """The policies `choose` compares, per regime; options as `generate` takes them."""
     greedy: list[dict] = [{"num_candidates": 0}, {"drafter": "lookup"}]
     sampling: list[dict] = [{"num_candidates": 0}, {"drafter": "lookup"}]
-    if gen.target.takes_tree:       # several copied candidates verified as one trie
+    if gen.target.takes_tree and gen.target.spec.min_call_tokens == 1:   # copied candidates in one trie
         greedy.append({"drafter": "lookup", "num_candidates": 4})
         sampling.append({"drafter": "lookup", "num_candidates": 4})
     if gen.draft is not None:

@@ -242,9 +242,10 @@ def test_quantized_target_runs(tmp_path, onnx_dir, quant, block):
     assert float_tables in (["model.embed_tokens.weight"], [])  # only the Gather's table may stay float
     assert not [n for n in graph.node if n.op_type == "Transpose" and "model.embed_tokens.weight" in n.input]
     ops = {n.op_type for n in graph.node}
-    assert ("MatMulNBits" in ops) if quant == "int4" else ("MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops)
+    assert "MatMulNBits" in ops and "DynamicQuantizeLinear" not in ops   # int8 too: row-local activations
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
-    assert {a.i for n in nbits for a in n.attribute if a.name == "block_size"} == ({block or 128} if nbits else set())
+    assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {4 if quant == "int4" else 8}
+    assert {a.i for n in nbits for a in n.attribute if a.name == "block_size"} == {block or 128}
     assert all(len(n.input) >= 4 and n.input[3] for n in nbits)    # zero points
 
 

@@ -174,6 +174,26 @@ def test_int8_twin_of_a_fused_bundle_runs(tiny_qwen_bundle, tmp_path):
     assert np.isfinite(got).all() and not np.array_equal(got, want)                # quantized, not a copy
     corr = np.corrcoef(got.ravel(), want.ravel())[0, 1]
     assert corr > 0.9, f"int8 logits are not the float32 target's (correlation {corr:.3f})"
+    # row-local numerics (8-bit MatMulNBits, since stop 16): a token scored alone (padded to 2) or
+    # in a 3-token call (padded to 4) gets exactly the logits it gets in a 4-token call. The int8 of
+    # stops 1-15 (one activation scale per call) failed this, and greedy equality with it.
+    assert (spec.min_call_tokens, spec.call_multiple) == (2, 2)
+    _, padded, raw = _padded_and_raw(out)
+    ids = (np.arange(24) * 13 % 400).astype(np.int64)[None]                      # [1, 24]
+    four = _call_after_past(raw, ids, 4, then=1)
+    assert np.array_equal(_call_after_past(padded, ids, 1, then=1)[0], four[0])
+    assert np.array_equal(_call_after_past(padded, ids, 3, then=1), four[:3])
+    import spectr_edge
+    gen = spectr_edge.load(out, provider="cpu")
+    for prompt in ([5, 6, 7, 8, 9], list(range(40, 60))):
+        plain = gen.generate_ids(prompt, max_new_tokens=32, temperature=0, num_candidates=0).token_ids
+        for options in (dict(num_candidates=1, draft_len=3), dict(drafter="lookup")):
+            assert gen.generate_ids(prompt, max_new_tokens=32, temperature=0, **options).token_ids == plain, options
+    # a lookup trie's gaps change the attention's rounding, which quantized activations amplify
+    # (greedy flips on the real 1.5B int8 target): refused on such a target, with the fix
+    from spectr_edge.errors import InputError
+    with pytest.raises(InputError, match="not bit-exact on this bundle's int8 target.*leave -k unset"):
+        gen.generate_ids([5, 6, 7], max_new_tokens=8, temperature=0, drafter="lookup", num_candidates=4)
 
 
 def _padded_and_raw(bundle):
