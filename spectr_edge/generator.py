@@ -206,13 +206,6 @@ class Generator:
                    f"prompt lookup drafts several candidates (num_candidates={num_candidates}) only as one "
                    "token trie, and this bundle's target takes no tree mask; leave -k unset or run "
                    "spectr-edge export --add-tree-mask --out BUNDLE")
-            # a trie's nodes attend over gaps (the other branches), which changes the attention's
-            # rounding; kernels that quantize activations (int4/int8 MatMulNBits, min_call_tokens 2)
-            # amplify that into greedy flips at near-ties (4 of 12 generations on the 1.5B int8 target)
-            _check(not (num_candidates or 1) > 1 or self.target.spec.min_call_tokens == 1,
-                   f"prompt lookup's trie (num_candidates={num_candidates}) is not bit-exact on this bundle's "
-                   f"{self.target.spec.quant} target (its kernels quantize activations, and a trie changes the "
-                   "attention's rounding); leave -k unset for exact greedy output")
             num_candidates, default_len = num_candidates or 1, DEFAULT_LOOKUP_LEN
         if num_candidates is None:
             num_candidates = default_k if self.draft is not None else 0
@@ -234,6 +227,15 @@ class Generator:
             _check(self.target.takes_tree and self.draft.takes_tree,
                    "the dynamic draft tree needs a bundle whose graphs take a tree mask; run "
                    "spectr-edge export --add-tree-mask --out BUNDLE")
+        # a token tree's nodes attend over gaps (the other branches), which changes the attention's
+        # rounding; kernels that quantize activations (int4/int8 MatMulNBits, min_call_tokens 2) turn
+        # that into greedy flips at near-ties (1.5B int4 target: 3 of 12 tree generations; int8 lookup
+        # trie: 4 of 12), so on such a target only chains are verified: one candidate, no tree
+        if self.target.spec.min_call_tokens > 1 and (num_candidates > 1 or tree_budget):
+            what = "a draft tree (tree_budget)" if tree_budget else f"k = {num_candidates} candidates (a token trie)"
+            raise InputError(f"{what} is not bit-exact on this bundle's {self.target.spec.quant} target: its kernels "
+                             "quantize activations and a tree changes the attention's rounding; use -k 1 "
+                             "(one drafted chain) or --draft lookup")
         vocab = self.bundle.tokenizer.vocab_size
         bad = [i for i in prompt_ids if not 0 <= i < vocab]
         _check(not bad, f"prompt token id {bad[:1]} is outside the vocabulary [0, {vocab})")

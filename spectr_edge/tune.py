@@ -146,13 +146,16 @@ def candidates(gen) -> dict[str, list[dict]]:
                     "adaptive": False},
                    {"drafter": "model+lookup", "num_candidates": 1, "draft_len": 6, "draft_stop": 0.0,
                     "adaptive": True}]
-        if gen.target.takes_tree:
+        # several candidates or a tree only where tree numerics are exact (no quantized activations)
+        exact = gen.target.spec.min_call_tokens == 1
+        if gen.target.takes_tree and exact:
             greedy += [model(num_candidates=2, draft_len=4), model(num_candidates=3, draft_len=4)]
             if gen.draft.takes_tree:
                 greedy += [model(num_candidates=1, draft_len=6, tree_budget=b) for b in (4, 8, 12)]
         sampling += [model(num_candidates=1, draft_len=L) for L in (2, 3, 4)]
-        sampling += [model(num_candidates=k, draft_len=L) for k, L in ((2, 2), (2, 3), (4, 2))]
-        if gen.target.takes_tree and gen.draft.takes_tree:      # Sequoia trees
+        if exact:
+            sampling += [model(num_candidates=k, draft_len=L) for k, L in ((2, 2), (2, 3), (4, 2))]
+        if gen.target.takes_tree and gen.draft.takes_tree and exact:      # Sequoia trees
             sampling += [model(num_candidates=1, draft_len=4, tree_budget=b) for b in (4, 8, 12)]
     return {"greedy": greedy, "sampling": sampling}
 
