@@ -237,15 +237,7 @@ class Engine:
         stats.lookup_tries += 1
         stats.scored += len(trie.tokens)
         t0 = time.perf_counter()
-        node, out, path = 0, [], [0]
-        while True:
-            tok = self._choose(node_logits[node], req.sampling, rng)
-            out.append(tok)
-            child = trie.children.get((node, tok))
-            if child is None:
-                break
-            node = child
-            path.append(node)
+        out, path = trie.walk(node_logits, lambda logits: self._choose(logits, req.sampling, rng))
         stats.seconds_select += time.perf_counter() - t0
         accepted = len(out) - 1
         stats.lookup_drafted += len(trie.tokens) - 1
@@ -685,16 +677,21 @@ class TokenTrie:
             self.ancestors[i] |= self.ancestors[parent[i]]
 
     def greedy_walk(self, node_logits: np.ndarray, vocab_size: int) -> tuple[list[int], list[int]]:
-        """Exact greedy verification of the whole tree: from the root, emit the target's argmax and
-        follow the child holding it; stop at the first argmax no child holds (it is still emitted).
+        """Exact greedy verification of the whole tree (walk with the target's argmax)."""
+        return self.walk(node_logits, lambda logits: int(greedy_token(logits, vocab_size)))
+
+    def walk(self, node_logits: np.ndarray, choose) -> tuple[list[int], list[int]]:
+        """From the root, emit choose(node's logits) and follow the child holding it; stop at the
+        first token no child holds (it is still emitted). With choose = the target's own argmax or
+        draw, this is plain decoding with some rows precomputed.
 
         Returns (emitted tokens, the nodes of the accepted path, root included).
         """
         node, out, path = 0, [], [0]
         while True:
-            best = int(greedy_token(node_logits[node], vocab_size))
-            out.append(best)
-            child = self.children.get((node, best))
+            tok = choose(node_logits[node])
+            out.append(tok)
+            child = self.children.get((node, tok))
             if child is None:
                 return out, path
             node = child
