@@ -11,6 +11,7 @@
     .venv/bin/python bench/run.py --suite precisions                      # float32, int8, int4: default vs own target-only
     .venv/bin/python bench/run.py --suite trees                           # issue 5: draft trees, tuned defaults
     .venv/bin/python bench/run.py --suite length                          # float32: model+lookup drafts of 6, 8, 10 tokens
+    .venv/bin/python bench/run.py --suite prefill                         # LM head on the last position vs all (TTFT)
 
 Every method runs in a worker process (bench/workers/), one worker per tool configuration
 that needs its own loaded models, so peers run in their own environments and each
@@ -238,8 +239,13 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
         return [spectr(0.0, 0), model_lookup(6, window=64), model_lookup(6, window=0)]
     if name == "length":    # issue 5, float32 target: longer model+lookup drafts now that the draft is cheaper
         return [spectr(0.0, 0), spectr_default(0.0), model_lookup(8), model_lookup(10)]
+    if name == "prefill":   # the prefill's LM head on the last position only vs every position (the
+        # *-full-logits twins of bench/full_logits_twin.py): time to first token, float32 and int4 targets
+        out = [spectr(0.0, 0), spectr_default(0.0)] + precision_rows(FULL_LOGITS, "full logits")
+        out += precision_rows(other_bundle or INT4_BUNDLE, "int4 target")
+        return out + precision_rows(INT4_FULL_LOGITS, "int4 target, full logits")
     raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu, int4-calls, "
-                     "int4-wide, quant-wide, precisions, trees, window or length")
+                     "int4-wide, quant-wide, precisions, trees, window, length or prefill")
 
 
 def tree_method(temperature: float, budget: int, depth: int) -> dict:
@@ -306,6 +312,8 @@ ORTGENAI = Path(os.environ.get("ORTGENAI_MODELS", "~/.cache/spectr-edge/peers/or
 STOP_IDS = "151645,151643"   # spectr-edge's stop ids for Qwen2.5 (<|im_end|>, <|endoftext|>); peers get the same
 INT4_BUNDLE = BENCH.parent / "models" / "default-int4"
 INT8_BUNDLE = BENCH.parent / "models" / "default-int8"     # bench/quant_twin.py --target-quant int8
+FULL_LOGITS = BENCH.parent / "models" / "default-full-logits"            # bench/full_logits_twin.py
+INT4_FULL_LOGITS = BENCH.parent / "models" / "default-int4-full-logits"
 INT4_B32_BUNDLE = BENCH.parent / "models" / "default-int4-b32"   # the int4 layout before stop 12
 INT4_STDTABLE_BUNDLE = BENCH.parent / "models" / "default-int4-stdtable"   # models/default-int4 before stop 14
 SETUP = {"llamacpp": "bash bench/peers/llamacpp_setup.sh", "ortgenai": "bash bench/peers/ortgenai_setup.sh"}
@@ -335,6 +343,9 @@ def missing_setup(key: str) -> str | None:
     """Why a peer worker cannot start (its environment or models are not set up), or None."""
     tool, _, rest = key.partition(":")
     if tool == "spectr" and rest and not (Path(rest) / "spectr.json").exists():
+        if rest.endswith("-full-logits"):
+            return (f"{rest} is missing; run `.venv/bin/python bench/full_logits_twin.py "
+                    f"{rest.removesuffix('-full-logits')} {rest}`")
         quant = next((q for q in ("int8", "int4") if q in rest), None)
         return (f"{rest} is missing; run `.venv/bin/python bench/quant_twin.py models/default {rest} "
                 f"--target-quant {quant}`" if quant else f"{rest} is missing")
@@ -472,7 +483,7 @@ def main(argv=None) -> None:
                                "adaptive": "stratified-1", "cpu": "stratified-2", "window": "stratified-2",
                                "int4-calls": "stratified-2", "length": "stratified-2",
                                "trees": "stratified-1", "int4-wide": "stratified-8", "quant-wide": "stratified-8",
-                               "precisions": "stratified-2"}.get(
+                               "precisions": "stratified-2", "prefill": "stratified-2"}.get(
         args.suite, "stratified-4")
     if args.quick:
         subset, args.max_new_tokens = (args.prompts or "stratified-1"), 32

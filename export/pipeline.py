@@ -25,7 +25,7 @@ import numpy as np
 from spectr_edge import ngram_table
 from spectr_edge.errors import ExportError
 
-from . import onnx_export, presets, quantize, sources, tokenizer_fix, tree_mask, writer
+from . import logits_keep, onnx_export, presets, quantize, sources, tokenizer_fix, tree_mask, writer
 
 PROBE_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
 PROBE_LEN = 16
@@ -200,6 +200,19 @@ def _add_tree_mask(role: str, entry: dict, bundle: Path, progress: Progress, ids
     return new
 
 
+def _add_logits_keep(role: str, entry: dict, bundle: Path, log) -> dict:
+    """The graph returns the logits of the positions a call asks for only (a prefill: the last)."""
+    src = bundle / entry["file"]
+    try:
+        logits_keep.rewrite_graph(src, src, entry["outputs"]["logits"])
+    except ExportError as err:
+        log(f"      {role}: every position's logits are computed: {err}")
+        return entry
+    new = logits_keep.with_logits_keep(entry)
+    new["size_bytes"] = sum(f.stat().st_size for f in onnx_export.model_files(src))
+    return new
+
+
 def _total_steps(plan: Plan, tree: bool = False) -> int:
     n = 2  # resolve sources, write bundle
     for spec, quant in ((plan.target, plan.target_quant), (plan.draft, plan.draft_quant)):
@@ -214,7 +227,7 @@ def _total_steps(plan: Plan, tree: bool = False) -> int:
 
 def export_bundle(out: str | Path, *, target: str | None = None, draft: str | None = None,
                   preset: str | None = None, target_quant: str = "none", draft_quant: str = "none",
-                  overwrite: bool = False, tree_mask: bool = True,
+                  overwrite: bool = False, tree_mask: bool = True, logits_keep: bool = True,
                   int4_block_size: int = quantize.INT4_BLOCK_SIZE,
                   lookup_conversation_tokens: int = ngram_table.CONVERSATION_TOKENS,
                   log: Callable[[str], None] = _stderr) -> Path:
@@ -223,6 +236,8 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
     Sources: local HF directory, .gguf file, optimum ONNX directory, hub id, or preset=NAME
     (see PRESETS). target_quant / draft_quant: none | int8 | int4 (draft="self" defaults to int4).
     tree_mask: rewrite each graph to take a 4D attention mask, for tree verification (export/tree_mask.py).
+    logits_keep: give each graph the input that limits the logits to the positions a call needs
+    (export/logits_keep.py; False writes graphs as exports before 2026-12-02 did).
     int4_block_size: weights per scale and zero point of int4 graphs (32, 64, 128 or 256).
     lookup_conversation_tokens: tokens of conversation sampled from the draft (else the target) for
     prompt lookup's next-token table (spectr_edge/self_text.py; 0 = library source only).
@@ -267,6 +282,8 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
 
         if tree_mask:
             entries = {role: _add_tree_mask(role, e, bundle, progress, ids) for role, e in entries.items()}
+        if logits_keep:
+            entries = {role: _add_logits_keep(role, e, bundle, progress.log) for role, e in entries.items()}
         with progress.step("writing tokenizer files and manifest"):
             (bundle / "tokenizer.json").write_text(shared_json, encoding="utf-8")
             writer.write_json(bundle / "tokenizer_config.json", t_tok.config)

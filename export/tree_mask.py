@@ -164,6 +164,8 @@ def _run(sess, entry: dict, ids: np.ndarray, past: list | None, tree=None, depth
             inputs["position_ids"]: (p + (np.arange(n) if depth is None else depth))[None].astype(np.int64)}
     if inputs.get("attention_mask"):
         feed[inputs["attention_mask"]] = np.ones((1, p + n), np.int64)
+    if inputs.get("logits_keep"):                   # every position's logits (export/logits_keep.py)
+        feed[inputs["logits_keep"]] = np.array([n], np.int64)
     if entry.get("tree_mask"):
         mask = np.ones((1, 1, n, p + n), bool)
         mask[0, 0, :, p:] = np.tri(n, dtype=bool) if tree is None else tree
@@ -248,12 +250,10 @@ def rewrite_graph(src: Path, dst: Path, entry: dict | None = None, fuse: bool = 
     cache names), the attention is also fused (export/fuse_attention.py). Returns (whether
     attention_mask is still an input, whether the attention is fused).
     """
-    import os
-
     import onnx
 
-    if src.parent.resolve() != dst.parent.resolve():
-        raise ExportError("the tree-mask graph must sit beside its external data")
+    from .writer import save_graph_beside
+
     model = onnx.load(str(src), load_external_data=False)
     if any(i.name == TREE_MASK_INPUT for i in model.graph.input):
         still = any(i.name == "attention_mask" for i in model.graph.input)
@@ -262,12 +262,7 @@ def rewrite_graph(src: Path, dst: Path, entry: dict | None = None, fuse: bool = 
     if fuse:
         fuse_attention(model, entry["inputs"]["past"], entry["outputs"]["present"], int(entry["head_dim"]),
                        int(entry["num_kv_heads"]), TREE_MASK_INPUT)
-    tmp = dst.with_name(dst.name + f".partial-{os.getpid()}")
-    try:
-        onnx.save(model, str(tmp))
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+    save_graph_beside(model, src, dst, "tree-mask")
     return still, fuse
 
 
@@ -293,16 +288,16 @@ def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True) -> list[
     Each model's new graph is written beside the old one (model.gqa.onnx, or model.tree.onnx
     when not fused; the weights in external data are shared), checked, then the manifest is
     switched to it atomically and the old graph file removed, so an interruption at any point
-    leaves a loadable bundle. Returns the roles changed.
+    leaves a loadable bundle. Then every graph gets the logits_keep input (export/logits_keep.py).
+    Returns the roles changed.
     """
-    import json
     import os
+
+    from .writer import existing_manifest
 
     bundle = Path(bundle)
     manifest_path = bundle / "spectr.json"
-    if not manifest_path.is_file():
-        raise ExportError(f"{bundle} is not a bundle (no spectr.json); export one first")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = existing_manifest(bundle)
     changed = []
     for role, entry in manifest["models"].items():
         if role == "target" and entry.get("min_call_tokens", 1) < min_call_tokens(bundle / entry["file"]):
@@ -338,4 +333,8 @@ def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True) -> list[
         if src != dst:
             src.unlink()
         changed.append(role)
+    from .logits_keep import add_logits_keep_to_bundle
+    for role in add_logits_keep_to_bundle(bundle, log):
+        if role not in changed:
+            changed.append(role)
     return changed

@@ -75,6 +75,29 @@ def write_manifest(bundle: Path, manifest: dict) -> None:
     write_json(bundle / _PENDING, manifest)
 
 
+def save_graph_beside(model, src: Path, dst: Path, what: str) -> None:
+    """Save a rewritten graph proto whose weights stay in src's external data to dst, atomically
+    (a temporary file beside it, then os.replace); dst must sit beside src."""
+    import onnx
+
+    if src.parent.resolve() != dst.parent.resolve():
+        raise ExportError(f"the {what} graph must sit beside its external data")
+    tmp = dst.with_name(dst.name + f".partial-{os.getpid()}")
+    try:
+        onnx.save(model, str(tmp))
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def existing_manifest(bundle: Path) -> dict:
+    """The manifest of a bundle an upgrade rewrites in place; ExportError when it is not a bundle."""
+    path = Path(bundle) / "spectr.json"
+    if not path.is_file():
+        raise ExportError(f"{bundle} is not a bundle (no spectr.json); export one first")
+    return json.loads(path.read_text())
+
+
 def tokenizer_entry(info: TokenizerInfo) -> dict:
     return {
         "file": "tokenizer.json",

@@ -59,6 +59,8 @@ class ModelSpec:
                                           # with int8 activations), so every call scores >= 2 tokens
     call_multiple: int = 1                # 2: they also round a lone last row of an odd-sized call so
                                           # (block 128 with zero points): batch-1 calls score an even count
+    logits_keep: str | None = None        # int64 [1] input: the call returns the logits of its last n positions
+                                          # only (export/logits_keep.py); None: every position's
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ def _model_spec(bundle: Path, role: str, m: dict) -> ModelSpec:
             size_bytes=m.get("size_bytes"), attention=_attention(m.get("attention"), m.get("tree_mask"), where),
             min_call_tokens=int(m.get("min_call_tokens", 1)),
             call_multiple=max(1, int(m.get("call_token_multiple", 1))),
+            logits_keep=_input_name(inputs.get("logits_keep"), f"{where}.inputs.logits_keep"),
         )
     except (TypeError, ValueError) as err:
         raise BundleError(f"spectr.json entry {where} is malformed ({err}); re-export the bundle") from None
@@ -145,6 +148,15 @@ def _attention(value, tree_mask, where: str) -> str:
     if value != "gqa" or not tree_mask:
         raise BundleError(f"spectr.json {where}.attention is {value!r}; expected 'unfused', or 'gqa' on a graph "
                           "with a tree mask (re-export the bundle)")
+    return value
+
+
+def _input_name(value, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise BundleError(f"spectr.json {where} is {value!r}; expected the name of a graph input, "
+                          "re-export the bundle")
     return value
 
 

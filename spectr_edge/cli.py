@@ -152,6 +152,8 @@ def info(bundle):
                    f"; attention: {'fused, cache updated in place' if spec.attention == 'gqa' else 'unfused'}"
                    + (f"; every call scores >= {spec.min_call_tokens} tokens" if spec.min_call_tokens > 1 else "")
                    + (f", a multiple of {spec.call_multiple}" if spec.call_multiple > 1 else ""))
+        click.echo("  prefill logits: " + ("last position only" if spec.logits_keep else
+                                           "every position (spectr-edge export --add-tree-mask)"))
     t = b.tokenizer
     click.echo(f"tokenizer: {t.vocab_size} tokens, eos ids {list(t.eos_token_ids)}, "
                f"chat template {'yes' if t.chat_template else 'no'}")
@@ -233,7 +235,8 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
 @click.option("--no-tree-mask", is_flag=True, help="Keep the 2D attention mask (no tree verification).")
 @click.option("--add-tree-mask", is_flag=True,
               help="Upgrade the existing bundle at --out in place: its graphs take a tree mask and use fused "
-                   "attention with in-place cache buffers where the graph allows (weights untouched).")
+                   "attention with in-place cache buffers where the graph allows, and return only the logits "
+                   "a call needs (weights untouched).")
 @click.option("--add-lookup-table", is_flag=True,
               help="(Re)build prompt lookup's static next-token table of the existing bundle at --out "
                    "(new exports have it).")
@@ -261,7 +264,8 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
         except ImportError as err:
             _fail(f"--add-tree-mask needs onnx ({err.name or err} is missing): pip install -e '.[export]'")
         changed = add_tree_mask_to_bundle(out, log=click.echo)
-        click.echo(f"{out}: {', '.join(changed) or 'nothing'} upgraded to tree verification")
+        click.echo(f"{out}: {', '.join(changed) or 'nothing'} upgraded (tree verification, fused attention, "
+                   "logits of the needed positions only)")
         return
     if not (preset or target):
         raise click.UsageError("give --target SRC (and --draft SRC) or --preset NAME")

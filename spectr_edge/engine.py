@@ -90,7 +90,7 @@ class Engine:
     def _prefill(self, req, rng, stats) -> tuple[list[int], object]:
         """Run the prompt through the target; return ids with the first new token, and the cache."""
         cache = self.target.new_cache()
-        logits = self.target.forward(np.asarray([req.prompt_ids], dtype=np.int64), cache)  # [1, P, W]
+        logits = self.target.forward(np.asarray([req.prompt_ids], dtype=np.int64), cache, last=1)  # [1, <=P, W]
         stats.target_calls += 1
         t0 = time.perf_counter()
         first = self._choose(logits[0, -1], req.sampling, rng)
@@ -265,7 +265,7 @@ class Engine:
         """
         alts = []
         catch_up = np.asarray([ids[draft_seen:]], dtype=np.int64)            # [1, unseen]
-        logits = self.draft.forward(catch_up, d_cache)[:, -1]                 # [1, W]
+        logits = self.draft.forward(catch_up, d_cache, last=1)[:, -1]         # [1, W]
         tokens = np.empty((num_candidates, draft_len), dtype=np.int64)        # [k, L]
         probs = None
         for j in range(draft_len):
@@ -358,7 +358,7 @@ class Engine:
         child is accepted (or at a leaf) the next token is drawn from q. Lossless."""
         sampling, vocab = req.sampling, self.vocab_size
         tree = DraftTree(ids[-1], 0)
-        logits = self.draft.forward(np.asarray([ids[draft_seen:]], dtype=np.int64), d_cache)[0, -1:]
+        logits = self.draft.forward(np.asarray([ids[draft_seen:]], dtype=np.int64), d_cache, last=1)[0, -1:]
         stats.cost_units += self.draft_cost
         stats.draft_calls += 1
         base = d_cache.length
@@ -422,7 +422,7 @@ class Engine:
         with the highest draft path probability), verify all of it in one target call by the
         exact greedy walk, and keep the accepted path in both caches."""
         tree = DraftTree(ids[-1], budget)
-        logits = self.draft.forward(np.asarray([ids[draft_seen:]], dtype=np.int64), d_cache)[0, -1:]  # [1, W]
+        logits = self.draft.forward(np.asarray([ids[draft_seen:]], dtype=np.int64), d_cache, last=1)[0, -1:]  # [1, W]
         stats.cost_units += self.draft_cost
         stats.draft_calls += 1
         base = d_cache.length                       # the draft cache now holds every id

@@ -21,6 +21,7 @@ PROVIDER_NAMES = ("auto", "cpu", "cuda", "tensorrt")
 _ORT = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
         "tensorrt": "TensorrtExecutionProvider"}
 _fallback_reported = False
+LOGITS_KEEP = "logits_keep"    # the graph input export/logits_keep.py adds
 
 
 def _gpu_driver_present() -> bool:
@@ -99,6 +100,9 @@ class OnnxLM:
                                 f"(got {self.session.get_providers()[0]}); use --provider cpu")
         self.provider = chain[0].replace("ExecutionProvider", "")
         self._check_io()
+        # fed whenever the graph has it: an upgrade interrupted before its manifest write leaves it undeclared
+        names = {i.name for i in self.session.get_inputs()}
+        self.logits_keep = spec.logits_keep or (LOGITS_KEEP if LOGITS_KEEP in names else None)
         self._output_names = [spec.logits] + [n for kv in spec.present for n in kv]
         self.dtype = np.float16 if spec.dtype == "float16" else np.float32
         self.seconds = 0.0   # wall time spent inside session.run
@@ -109,7 +113,7 @@ class OnnxLM:
         have_in = {i.name for i in self.session.get_inputs()}
         have_out = {o.name for o in self.session.get_outputs()}
         want_in = [spec.input_ids] + [n for kv in spec.past for n in kv]
-        want_in += [n for n in (spec.attention_mask, spec.tree_mask) if n]
+        want_in += [n for n in (spec.attention_mask, spec.tree_mask, spec.logits_keep) if n]
         if spec.position_ids:
             want_in.append(spec.position_ids)
         missing = [n for n in want_in if n not in have_in]
@@ -134,8 +138,15 @@ class OnnxLM:
         return bool(self.spec.tree_mask) and self.spec.position_ids is not None
 
     def forward(self, input_ids: np.ndarray, cache: KVCache, tree: np.ndarray | None = None,
-                depth: np.ndarray | None = None, past_mask: np.ndarray | None = None) -> np.ndarray:
+                depth: np.ndarray | None = None, past_mask: np.ndarray | None = None,
+                last: int | None = None) -> np.ndarray:
         """Score `input_ids` # [batch, new] after the cache; returns logits # [batch, new, logits_width].
+
+        last: the caller needs the logits of the last `last` positions only (a prefill needs one);
+        graphs with a logits_keep input then skip the LM head for the others and return
+        # [batch, r, logits_width] with last <= r <= new (r > last only where the kernels need
+        more rows for their numerics, see call_tokens), so index from the end. Other graphs
+        return every position.
 
         The cache must have the same batch; it is replaced by the call's `present` (past + new positions).
         tree # [new, new] bool (batch 1, graphs with a tree mask only): tree[i, j] = new token i
@@ -149,9 +160,12 @@ class OnnxLM:
         batch, new = input_ids.shape
         pad = call_tokens(spec, new) - new if batch == 1 else 0
         if pad > 0:
-            return self._forward_padded(input_ids, cache, tree, depth, pad, past_mask)
+            return self._forward_padded(input_ids, cache, tree, depth, pad, past_mask, last)
         past = cache.length
         feeds = {spec.input_ids: np.ascontiguousarray(input_ids, dtype=np.int64)}
+        if self.logits_keep:
+            rows = new if last is None else min(new, call_tokens(spec, last) if batch == 1 else last)
+            feeds[self.logits_keep] = np.asarray([rows], dtype=np.int64)          # [1]
         if spec.tree_mask:
             if tree is None:
                 tree = np.tri(new, dtype=bool)                                  # causal
@@ -179,7 +193,8 @@ class OnnxLM:
         cache.replace([(outputs[1 + 2 * i], outputs[2 + 2 * i]) for i in range(spec.num_layers)])
         return outputs[0]
 
-    def _forward_padded(self, input_ids, cache, tree, depth, pad: int, past_mask=None) -> np.ndarray:
+    def _forward_padded(self, input_ids, cache, tree, depth, pad: int, past_mask=None,
+                        last: int | None = None) -> np.ndarray:
         """Score `new` tokens in a call of new + pad rows, then drop the padding's logits and cache.
 
         For graphs whose kernels take another path (other rounding) for a 1-token call than for
@@ -201,9 +216,9 @@ class OnnxLM:
         if past_mask is not None:
             past_mask = np.concatenate([past_mask, np.ones((pad, past_mask.shape[1]), dtype=bool)])
         length = cache.length
-        logits = self.forward(ids, cache, tree, depth, past_mask)
+        logits = self.forward(ids, cache, tree, depth, past_mask, None if last is None else last + pad)
         cache.crop(length + new)
-        return logits[:, :new]
+        return logits[:, :logits.shape[1] - pad]
 
     def _forward_in_place(self, feeds: dict, cache: BufferKVCache, new: int) -> np.ndarray:
         """One call whose past inputs and present outputs are the same cache buffers (I/O binding).

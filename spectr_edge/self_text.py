@@ -72,7 +72,7 @@ def sample_conversations(model: OnnxLM, codec: TextCodec, vocab_size: int, eos_i
         rows = min(batch, max(1, (num_tokens - produced) // 64))
         steps = min(ROUND_STEPS, -(-(num_tokens - produced) // rows))
         cache = model.new_cache()
-        model.forward(np.asarray([before], dtype=np.int64), cache)
+        model.forward(np.asarray([before], dtype=np.int64), cache, last=1)
         cache.repeat_rows(rows)
         out = [list(before) for _ in range(rows)]
         asking = [True] * rows

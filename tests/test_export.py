@@ -75,6 +75,8 @@ class Runner:
             feed[self.m["tree_mask"]] = mask
         if i["position_ids"]:
             feed[i["position_ids"]] = np.arange(self.pos, self.pos + n, dtype=np.int64)[None]  # [1, n]
+        if i.get("logits_keep"):   # every new position's logits
+            feed[i["logits_keep"]] = np.array([n], np.int64)  # [1]
         out = self.sess.run([self.m["outputs"]["logits"]] + self.present, feed)
         self.cache, self.pos = out[1:], self.pos + n
         return out[0][0]
@@ -138,8 +140,12 @@ def test_manifest_matches_format_and_graph(name, request):
         present = [n for kv in e["outputs"]["present"] for n in kv]
         if e["tree_mask"]:   # tiny-qwen: the graph's causal mask became the 4D input, attention_mask is gone
             assert e["tree_mask"] == "tree_attention_mask" and e["inputs"]["attention_mask"] is None
-            assert ins == [e["inputs"]["input_ids"], e["inputs"]["position_ids"]] + past + [e["tree_mask"]]
-        else:                # tiny-llama, exported with tree_mask=False
+            # and the LM head sees the last logits_keep positions only (export/logits_keep.py)
+            assert e["inputs"]["logits_keep"] == "logits_keep"
+            assert ins == ([e["inputs"]["input_ids"], e["inputs"]["position_ids"]] + past
+                           + [e["tree_mask"], e["inputs"]["logits_keep"]])
+        else:                # tiny-llama, exported with tree_mask=False and logits_keep=False
+            assert "logits_keep" not in e["inputs"]
             assert ins == [e["inputs"]["input_ids"], e["inputs"]["attention_mask"], e["inputs"]["position_ids"]] + past
         assert outs == [e["outputs"]["logits"]] + present
         assert len(e["inputs"]["past"]) == e["num_layers"] and past[0] == "past_key_values.0.key"

@@ -258,3 +258,78 @@ def test_int4_target_greedy_equality(tiny_int4):
         for options in (dict(num_candidates=1, draft_len=3), dict(drafter="lookup"), dict(adaptive=True)):
             got = gen.generate_ids(prompt, max_new_tokens=40, temperature=0, **options).token_ids
             assert got == plain, (prompt, options)
+
+
+# ---- logits of the positions a call needs only (export/logits_keep.py) ----------------------------
+
+def test_prefill_returns_only_the_last_rows_with_the_same_logits(tiny_qwen_bundle, target, draft):
+    """A call given last=n computes the LM head for its last n positions only: the same logits as
+    those rows of a full call, and the same cache (the next call scores the same)."""
+    ids = (np.arange(23) * 11 % 400).astype(np.int64)[None]                       # [1, 23]
+    for model in (target, draft):
+        assert model.logits_keep == "logits_keep" == model.spec.logits_keep
+        full_cache, kept_cache = model.new_cache(), model.new_cache()
+        full = model.forward(ids[:, :20], full_cache)                              # [1, 20, W]
+        kept = model.forward(ids[:, :20], kept_cache, last=1)                      # [1, 1, W]
+        assert full.shape[1] == 20 and kept.shape[1] == 1
+        np.testing.assert_allclose(kept[0, -1], full[0, -1], rtol=0, atol=1e-5)
+        three = model.forward(ids[:, 20:23], kept_cache, last=3)                   # a verification call
+        np.testing.assert_array_equal(three, model.forward(ids[:, 20:23], full_cache))
+
+
+def test_int4_prefill_keeps_the_rows_its_kernel_needs(tiny_int4):
+    """On a target whose kernels compute rows in pairs (min_call_tokens 2), a padded odd prefill
+    asked for its last row computes the LM head for an even number of rows, so that row is
+    bit-identical to the full call's."""
+    spec, padded, _ = _padded_and_raw(tiny_int4)
+    assert spec.logits_keep
+    ids = (np.arange(17) * 13 % 400).astype(np.int64)[None]                       # [1, 17]: padded to 18
+    full = padded.forward(ids, padded.new_cache())
+    kept = padded.forward(ids, padded.new_cache(), last=1)
+    # the LM head ran on 2 rows, the real last one and the padding, whose logits are dropped
+    assert full.shape[1] == 17 and kept.shape[1] == 1
+    assert np.array_equal(kept[0, -1], full[0, -1])
+    even = (np.arange(18) * 13 % 400).astype(np.int64)[None]                      # [1, 18]: no padding
+    kept = padded.forward(even, padded.new_cache(), last=1)
+    assert kept.shape[1] == 2                                                    # min_call_tokens rows
+    assert np.array_equal(kept[0, -1], padded.forward(even, padded.new_cache())[0, -1])
+
+
+def test_a_graph_with_logits_keep_but_an_older_manifest_still_loads(tiny_qwen_bundle, tmp_path):
+    """An upgrade interrupted after rewriting a graph and before its manifest write: the runtime
+    feeds the input because the graph has it."""
+    import shutil
+
+    import spectr_edge
+
+    out = tmp_path / "bundle"
+    shutil.copytree(tiny_qwen_bundle, out)
+    manifest = json.loads((out / "spectr.json").read_text())
+    for entry in manifest["models"].values():
+        del entry["inputs"]["logits_keep"]
+    (out / "spectr.json").write_text(json.dumps(manifest))
+    gen = spectr_edge.load(out, provider="cpu")
+    assert gen.target.spec.logits_keep is None and gen.target.logits_keep == "logits_keep"
+    ref = spectr_edge.load(tiny_qwen_bundle, provider="cpu")
+    prompt = [5, 6, 7, 8, 9]
+    assert (gen.generate_ids(prompt, max_new_tokens=16, temperature=0).token_ids
+            == ref.generate_ids(prompt, max_new_tokens=16, temperature=0).token_ids)
+
+
+def test_removing_logits_keep_restores_the_full_head(tiny_qwen_bundle):
+    """bench/full_logits_twin.py's inverse rewrite (the side-by-side benchmark's baseline): the
+    input and its nodes go, the LM head reads the hidden states again, and adding it back gives
+    the exported graph's nodes."""
+    import onnx
+
+    from export.logits_keep import add_logits_keep, remove_logits_keep
+
+    path = read_bundle(tiny_qwen_bundle).target.file
+    graph = onnx.load(str(path), load_external_data=False)
+    before = [(n.op_type, list(n.input), list(n.output)) for n in graph.graph.node]
+    removed = remove_logits_keep(onnx.load(str(path), load_external_data=False))
+    assert "logits_keep" not in {i.name for i in removed.graph.input}
+    assert not any(n.name.startswith("/logits_keep/") for n in removed.graph.node)
+    assert len(removed.graph.node) == len(before) - 4
+    again = add_logits_keep(removed)
+    assert [(n.op_type, list(n.input), list(n.output)) for n in again.graph.node] == before

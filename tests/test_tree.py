@@ -91,7 +91,7 @@ def upgraded(tiny_bundle, tmp_path_factory):
     shutil.copytree(tiny_bundle, out)
     result = CliRunner().invoke(main, ["export", "--add-tree-mask", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert "target, draft upgraded to tree verification" in result.output
+    assert "target, draft upgraded (tree verification" in result.output
     return out
 
 
@@ -102,6 +102,7 @@ def test_upgrade_rewrites_graphs_and_manifest(upgraded):
         assert entry["inputs"]["attention_mask"] is None
         assert entry["file"] == f"{role}/model.gqa.onnx"
         assert entry["attention"] == "gqa"                      # fused GroupQueryAttention
+        assert entry["inputs"]["logits_keep"] == "logits_keep"  # a prefill computes one row of logits
         assert not (upgraded / role / "model.onnx").exists()    # the old graph is gone
 
 
@@ -112,6 +113,7 @@ def test_upgraded_bundle_decodes_like_the_original(tiny_bundle, upgraded):
     after = spectr_edge.load(upgraded, provider="cpu")
     assert after.target.takes_tree and not before.target.takes_tree
     assert after.target.in_place and not before.target.in_place    # cache buffers updated in place
+    assert after.target.logits_keep and not before.target.logits_keep
     prompt = [5, 6, 7, 8, 9]
     plain = before.generate_ids(prompt, max_new_tokens=32, temperature=0, num_candidates=0).token_ids
     for k, L in ((0, 1), (1, 3), (2, 3), (4, 3)):     # k > 1: the greedy chain + k - 1 leaves per depth

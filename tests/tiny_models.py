@@ -203,16 +203,17 @@ TINY_CONVERSATION_TOKENS = 1024
 def build_tiny_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
     """tiny-llama: 4-layer Llama target + 2-layer perturbed-copy draft, both float32.
 
-    Exported with --no-tree-mask (2D attention mask, replicated verification), as bundles made
-    before tree masks existed; tiny-qwen has tree masks, so both verification paths are covered.
+    Exported with --no-tree-mask (2D attention mask, replicated verification) and without the
+    logits_keep input, as bundles made before either existed; tiny-qwen has both, so both
+    verification paths and the in-place upgrade (test_tree.py) are covered.
     """
     from export import export_bundle
 
     tok = make_tokenizer(work / "tokenizer")
     target = make_llama(work / "llama", tok)
     draft = make_draft(target, work / "llama-draft", num_layers=2)
-    return export_bundle(out, target=str(target), draft=str(draft), tree_mask=False, lookup_conversation_tokens=0,
-                         log=log)
+    return export_bundle(out, target=str(target), draft=str(draft), tree_mask=False, logits_keep=False,
+                         lookup_conversation_tokens=0, log=log)
 
 
 def build_tiny_qwen_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
