@@ -57,13 +57,11 @@ def add_logits_keep(model, logits: str = "logits"):
         helper.make_node("Neg", [LOGITS_KEEP_INPUT], [start], name="/logits_keep/Neg"),
         helper.make_node("Slice", [hidden, start, ends, axes], [sliced], name="/logits_keep/Slice"),
     ]
-    for i, n in enumerate(graph.node):
-        if n is node:
-            at = i
-            break
+    head_output = node.output[0]
+    at = next(i for i, n in enumerate(graph.node) if head_output in n.output)
     for j, n in enumerate(new_nodes):
         graph.node.insert(at + j, n)
-    node.input[0] = sliced
+    graph.node[at + len(new_nodes)].input[0] = sliced
     graph.input.append(helper.make_tensor_value_info(LOGITS_KEEP_INPUT, TensorProto.INT64, [1]))
     # the logits output's sequence axis is now the kept count, not the input length
     for out in graph.output:
