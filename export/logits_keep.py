@@ -119,19 +119,26 @@ def add_logits_keep_to_bundle(bundle: Path, log=print) -> list[str]:
     for role, entry in manifest["models"].items():
         if entry["inputs"].get("logits_keep"):
             continue
-        src = bundle / entry["file"]
-        try:
-            rewrite_graph(src, src, entry["outputs"]["logits"])
-        except ExportError as err:
-            log(f"{role}: left computing every position's logits: {err}")
+        new = upgrade_entry(bundle, role, entry, log)
+        if new is entry:
             continue
-        manifest["models"][role] = with_logits_keep(entry)
+        manifest["models"][role] = new
         write_manifest(bundle, manifest)
         log(f"{role}: calls return the logits of the positions they need only (prefill: the last)")
         changed.append(role)
     return changed
 
 
-def with_logits_keep(entry: dict) -> dict:
-    """The manifest entry of a graph that has the logits_keep input."""
-    return {**entry, "inputs": {**entry["inputs"], "logits_keep": LOGITS_KEEP_INPUT}}
+def upgrade_entry(bundle: Path, role: str, entry: dict, log) -> dict:
+    """Rewrite a bundle model's graph in place to take the input; its new manifest entry, or
+    `entry` itself (logged) when the graph's LM head is not a MatMul and keeps every row."""
+    from .onnx_export import model_files
+
+    src = bundle / entry["file"]
+    try:
+        rewrite_graph(src, src, entry["outputs"]["logits"])
+    except ExportError as err:
+        log(f"{role}: every position's logits are computed: {err}")
+        return entry
+    return {**entry, "inputs": {**entry["inputs"], "logits_keep": LOGITS_KEEP_INPUT},
+            "size_bytes": sum(f.stat().st_size for f in model_files(src))}

@@ -25,7 +25,8 @@ import numpy as np
 from spectr_edge import ngram_table
 from spectr_edge.errors import ExportError
 
-from . import logits_keep, onnx_export, presets, quantize, sources, tokenizer_fix, tree_mask, writer
+from . import onnx_export, presets, quantize, sources, tokenizer_fix, tree_mask, writer
+from .logits_keep import upgrade_entry as _keep_last_logits
 
 PROBE_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
 PROBE_LEN = 16
@@ -200,19 +201,6 @@ def _add_tree_mask(role: str, entry: dict, bundle: Path, progress: Progress, ids
     return new
 
 
-def _add_logits_keep(role: str, entry: dict, bundle: Path, log) -> dict:
-    """The graph returns the logits of the positions a call asks for only (a prefill: the last)."""
-    src = bundle / entry["file"]
-    try:
-        logits_keep.rewrite_graph(src, src, entry["outputs"]["logits"])
-    except ExportError as err:
-        log(f"      {role}: every position's logits are computed: {err}")
-        return entry
-    new = logits_keep.with_logits_keep(entry)
-    new["size_bytes"] = sum(f.stat().st_size for f in onnx_export.model_files(src))
-    return new
-
-
 def _total_steps(plan: Plan, tree: bool = False) -> int:
     n = 2  # resolve sources, write bundle
     for spec, quant in ((plan.target, plan.target_quant), (plan.draft, plan.draft_quant)):
@@ -283,7 +271,7 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
         if tree_mask:
             entries = {role: _add_tree_mask(role, e, bundle, progress, ids) for role, e in entries.items()}
         if logits_keep:
-            entries = {role: _add_logits_keep(role, e, bundle, progress.log) for role, e in entries.items()}
+            entries = {role: _keep_last_logits(bundle, role, e, progress.log) for role, e in entries.items()}
         with progress.step("writing tokenizer files and manifest"):
             (bundle / "tokenizer.json").write_text(shared_json, encoding="utf-8")
             writer.write_json(bundle / "tokenizer_config.json", t_tok.config)
