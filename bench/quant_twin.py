@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("--target-quant", choices=["int8", "int4"], default="int4")
+    ap.add_argument("--target-quant", choices=["int8", "int4", "w8a8"], default="int4")
     ap.add_argument("--block-size", type=int, default=quantize.INT4_BLOCK_SIZE, help="int4: weights per scale")
     ap.add_argument("--symmetric", action="store_true", help="int4: no zero points (the layout before stop 12)")
     args = ap.parse_args(argv)

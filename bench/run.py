@@ -9,6 +9,7 @@
     .venv/bin/python bench/run.py --suite int4-wide                       # int4 default vs target-only, llama.cpp: 48 prompts
     .venv/bin/python bench/run.py --suite quant-wide                      # the same + the int8 twin's t-o and default
     .venv/bin/python bench/run.py --suite precisions                      # float32, int8, int4: default vs own target-only
+    .venv/bin/python bench/run.py --suite w8a8                            # the same + w8a8, llama.cpp Q4, ORT GenAI int4
     .venv/bin/python bench/run.py --suite trees                           # issue 5: draft trees, tuned defaults
     .venv/bin/python bench/run.py --suite length                          # float32: model+lookup drafts of 6, 8, 10 tokens
     .venv/bin/python bench/run.py --suite prefill                         # LM head on the last position vs all (TTFT)
@@ -228,10 +229,15 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
             out.append(peer("ortgenai", og + "+qwen0.5b-int4", "int4 + int4 draft, 4 tokens", 0.0,
                             {"speculative": "draft", "max_draft_tokens": 4}, own="int4 target-only"))
         return out
-    if name == "precisions":  # issue 6's never-slower check: each target precision's default vs its own target-only
+    if name in ("precisions", "w8a8"):  # issue 6's never-slower check: each target precision's default vs its
+        # own target-only; w8a8 adds the int8-weights-and-activations twin, llama.cpp's Q4 and ORT GenAI's int4
         out = [spectr(0.0, 0), spectr_default(0.0)]
         for bundle, tag in ((INT8_BUNDLE, "int8 target"), (other_bundle or INT4_BUNDLE, "int4 target")):
             out += precision_rows(bundle, tag)
+        if name == "w8a8":
+            out += precision_rows(W8A8_BUNDLE, "w8a8 target")
+            out += [peer("llama.cpp", "llamacpp", "Q4 target-only", 0.0),
+                    peer("ortgenai", "ortgenai:qwen1.5b-int4", "int4 target-only", 0.0)]
         return out
     if name == "trees":     # issue 5: draft trees and the tuned defaults, greedy and T=1 (tune both bundles first)
         return trees_suite(other_bundle)
@@ -245,7 +251,7 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
         out += precision_rows(other_bundle or INT4_BUNDLE, "int4 target")
         return out + precision_rows(INT4_FULL_LOGITS, "int4 target, full logits")
     raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu, int4-calls, "
-                     "int4-wide, quant-wide, precisions, trees, window, length or prefill")
+                     "int4-wide, quant-wide, precisions, w8a8, trees, window, length or prefill")
 
 
 def tree_method(temperature: float, budget: int, depth: int) -> dict:
@@ -312,6 +318,7 @@ ORTGENAI = Path(os.environ.get("ORTGENAI_MODELS", "~/.cache/spectr-edge/peers/or
 STOP_IDS = "151645,151643"   # spectr-edge's stop ids for Qwen2.5 (<|im_end|>, <|endoftext|>); peers get the same
 INT4_BUNDLE = BENCH.parent / "models" / "default-int4"
 INT8_BUNDLE = BENCH.parent / "models" / "default-int8"     # bench/quant_twin.py --target-quant int8
+W8A8_BUNDLE = BENCH.parent / "models" / "default-w8a8"     # bench/quant_twin.py --target-quant w8a8
 FULL_LOGITS = BENCH.parent / "models" / "default-full-logits"            # bench/full_logits_twin.py
 INT4_FULL_LOGITS = BENCH.parent / "models" / "default-int4-full-logits"
 INT4_B32_BUNDLE = BENCH.parent / "models" / "default-int4-b32"   # the int4 layout before stop 12
@@ -483,7 +490,7 @@ def main(argv=None) -> None:
                                "adaptive": "stratified-1", "cpu": "stratified-2", "window": "stratified-2",
                                "int4-calls": "stratified-2", "length": "stratified-2",
                                "trees": "stratified-1", "int4-wide": "stratified-8", "quant-wide": "stratified-8",
-                               "precisions": "stratified-2", "prefill": "stratified-2"}.get(
+                               "precisions": "stratified-2", "w8a8": "stratified-2", "prefill": "stratified-2"}.get(
         args.suite, "stratified-4")
     if args.quick:
         subset, args.max_new_tokens = (args.prompts or "stratified-1"), 32

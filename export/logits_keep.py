@@ -32,8 +32,8 @@ _HEAD_OPS = {"MatMul", "MatMulNBits", "Gemm"}
 def add_logits_keep(model, logits: str = "logits"):
     """Insert the slice before the LM head of `model` (in place); returns the model.
 
-    The LM head is the MatMul (MatMulNBits, Gemm) that produces the `logits` output, possibly
-    through Casts. A graph that already has the input is returned unchanged."""
+    The LM head is the MatMul (MatMulNBits, Gemm; or a w8a8 head's quantize-MatMulInteger-rescale
+    chain) that produces the `logits` output, possibly through Casts. A graph that already has the input is returned unchanged."""
     from onnx import TensorProto, helper
 
     graph = model.graph
@@ -43,10 +43,11 @@ def add_logits_keep(model, logits: str = "logits"):
     node = producer.get(logits)
     while node is not None and node.op_type in _PASS_THROUGH:
         node = producer.get(node.input[0])
-    if node is None or node.op_type not in _HEAD_OPS:
+    readers = [node] if node is not None and node.op_type in _HEAD_OPS else _w8a8_head_readers(graph, node, producer)
+    if not readers:
         raise ExportError(f"the graph's '{logits}' output does not come from a MatMul (LM head); "
                           "cannot add the logits_keep input")
-    hidden = node.input[0]
+    hidden = readers[0].input[0]
     start, sliced = "/logits_keep/start", "/logits_keep/hidden"
     ends, axes = "/logits_keep/ends", "/logits_keep/axes"
     new_nodes = [
@@ -57,11 +58,13 @@ def add_logits_keep(model, logits: str = "logits"):
         helper.make_node("Neg", [LOGITS_KEEP_INPUT], [start], name="/logits_keep/Neg"),
         helper.make_node("Slice", [hidden, start, ends, axes], [sliced], name="/logits_keep/Slice"),
     ]
-    head_output = node.output[0]
-    at = next(i for i, n in enumerate(graph.node) if head_output in n.output)
+    at = min(i for i, n in enumerate(graph.node) if any(n is r for r in readers))
     for j, n in enumerate(new_nodes):
         graph.node.insert(at + j, n)
-    graph.node[at + len(new_nodes)].input[0] = sliced
+    for r in readers:
+        for i, name in enumerate(r.input):
+            if name == hidden:
+                r.input[i] = sliced
     graph.input.append(helper.make_tensor_value_info(LOGITS_KEEP_INPUT, TensorProto.INT64, [1]))
     # the logits output's sequence axis is now the kept count, not the input length
     for out in graph.output:
@@ -71,6 +74,28 @@ def add_logits_keep(model, logits: str = "logits"):
                 dims[1].Clear()
                 dims[1].dim_param = "kept_positions"
     return model
+
+
+def _w8a8_head_readers(graph, node, producer) -> list:
+    """For a w8a8 LM head (export/quantize.int8_rowwise: the hidden state is quantized per row, then
+    MatMulInteger, then rescaled), the nodes that read the hidden state (its quantization's Abs
+    and Div); [] when `node` is not such a head or its quantized rows feed other matmuls too."""
+    if node is None or node.op_type != "Mul" or not node.name.startswith("/int8row/"):
+        return []
+    chain = node
+    for op in ("Mul", "Cast", "MatMulInteger"):
+        chain = producer.get(chain.input[0])
+        if chain is None or chain.op_type != op:
+            return []
+    q = chain.input[0]                                   # "/int8row/x<j>/q"
+    prefix = q.rsplit("/", 1)[0] + "/"
+    if sum(q in n.input for n in graph.node) != 1:
+        return []
+    abs_node = next((n for n in graph.node if n.name == prefix + "Abs"), None)
+    if abs_node is None:
+        return []
+    hidden = abs_node.input[0]
+    return [n for n in graph.node if n.name.startswith(prefix) and hidden in n.input]
 
 
 def remove_logits_keep(model):

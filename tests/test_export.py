@@ -219,7 +219,7 @@ def test_fresh_export_logs_numbered_steps(tmp_path, request, arch, draft_quant, 
     assert 0 <= m["models"]["target"]["parity_max_abs_diff"] < 1e-3
 
 
-@pytest.mark.parametrize("quant, block", [("int8", None), ("int4", None), ("int4", 32)])
+@pytest.mark.parametrize("quant, block", [("int8", None), ("int4", None), ("int4", 32), ("w8a8", None)])
 def test_quantized_target_runs(tmp_path, onnx_dir, quant, block):
     """Quantized bundles load in ORT and their target runs, the tied lm_head quantized too; int4
     graphs have the block size asked for (default 128, with zero points) and the manifest says so."""
@@ -235,7 +235,10 @@ def test_quantized_target_runs(tmp_path, onnx_dir, quant, block):
             == (block or 128, False, 2, 2)
     else:
         assert "quant_block_size" not in e
+    if quant == "w8a8":   # lone rows padded (float attention), odd calls not (exact integer GEMMs)
+        assert (e["min_call_tokens"], e["call_token_multiple"]) == (2, 1)
     assert (e["quant"], e["parity_max_abs_diff"], e["logits_width"]) == (quant, None, 512)
+    assert e["inputs"]["logits_keep"] == "logits_keep"
     assert "draft" not in manifest(out)["models"]
     assert any("greedy top-1 agreement" in ln for ln in lines)
     assert any("tied lm_head" in ln for ln in lines)
@@ -248,6 +251,12 @@ def test_quantized_target_runs(tmp_path, onnx_dir, quant, block):
     assert float_tables in (["model.embed_tokens.weight"], [])  # only the Gather's table may stay float
     assert not [n for n in graph.node if n.op_type == "Transpose" and "model.embed_tokens.weight" in n.input]
     ops = {n.op_type for n in graph.node}
+    weights = {i.name for i in graph.initializer}
+    assert not [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in weights]   # every weight quantized
+    if quant == "w8a8":
+        assert "MatMulInteger" in ops and not ops & {"MatMulNBits", "DynamicQuantizeLinear"}
+        assert "/logits_keep/Slice" in [n.name for n in graph.node]   # before the head's row quantization
+        return
     assert "MatMulNBits" in ops and "DynamicQuantizeLinear" not in ops   # int8 too: row-local activations
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
     assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {4 if quant == "int4" else 8}

@@ -199,6 +199,67 @@ def test_int8_twin_of_a_fused_bundle_runs(tiny_qwen_bundle, tmp_path):
             gen.generate_ids([5, 6, 7], max_new_tokens=8, **options)
 
 
+def test_w8a8_twin_is_exact_in_every_call_shape(tiny_qwen_bundle, tmp_path):
+    """--target-quant w8a8 (export/quantize.int8_rowwise): int8 weights per column, int8 activations
+    per row, MatMulInteger. Integer sums are exact, so a token's logits are the same numbers in any
+    call of 2 or more rows (lone rows are padded to 2: the float attention around the GEMMs takes
+    another path for one row); greedy speculative output equals target-only token for token."""
+    import sys
+    from pathlib import Path
+
+    import onnx
+    import onnxruntime as ort
+
+    from export.logits_keep import LOGITS_KEEP_INPUT, add_logits_keep, remove_logits_keep
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import quant_twin
+
+    out = tmp_path / "w8a8"
+    quant_twin.main([str(tiny_qwen_bundle), str(out), "--target-quant", "w8a8"])
+    spec = read_bundle(out).target
+    assert spec.quant == "w8a8" and spec.attention == "gqa" and spec.logits_keep == LOGITS_KEEP_INPUT
+    assert (spec.min_call_tokens, spec.call_multiple) == (2, 1)
+    graph = onnx.load(str(spec.file)).graph
+    ops = [n.op_type for n in graph.node]
+    assert "MatMulInteger" in ops and "MatMul" not in [n.op_type for n in graph.node if n.input[1:2] and
+                                                        n.input[1] in {i.name for i in graph.initializer}]
+    ids = (np.arange(24) * 13 % 400).astype(np.int64)[None]                      # [1, 24]
+    model, ref = OnnxLM(spec, provider="cpu", threads=1), OnnxLM(read_bundle(tiny_qwen_bundle).target,
+                                                                 provider="cpu", threads=1)
+    got, want = model.forward(ids, model.new_cache())[0], ref.forward(ids, ref.new_cache())[0]   # [24, W]
+    assert np.isfinite(got).all() and not np.array_equal(got, want)                # quantized, not a copy
+    corr = np.corrcoef(got.ravel(), want.ravel())[0, 1]
+    assert corr > 0.9, f"w8a8 logits are not the float32 target's (correlation {corr:.3f})"
+    _, padded, raw = _padded_and_raw(out)
+    five = _call_after_past(raw, ids, 5, then=1)
+    assert np.array_equal(_call_after_past(padded, ids, 1, then=1)[0], five[0])   # padded to 2
+    for n in (2, 3, 4):                                                            # odd sizes need no padding
+        assert np.array_equal(_call_after_past(raw, ids, n, then=1), five[:n]), n
+    # logits_keep on a w8a8 head: the slice goes before the head's row quantization
+    m = remove_logits_keep(onnx.load(str(spec.file)))
+    assert LOGITS_KEEP_INPUT not in [i.name for i in m.graph.input]
+    m = add_logits_keep(m, spec.logits)
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {spec.input_ids: ids[:, :6], spec.position_ids: np.arange(6, dtype=np.int64)[None],
+             LOGITS_KEEP_INPUT: np.array([2], np.int64),
+             spec.tree_mask: np.tril(np.ones((6, 6), bool))[None, None]}
+    for k, v in spec.past:
+        feeds[k] = feeds[v] = np.zeros((1, spec.num_kv_heads, 0, spec.head_dim), np.float32)
+    last_two = sess.run([spec.logits], feeds)[0][0]                               # [2, W]
+    full = raw.forward(ids[:, :6], raw.new_cache())[0]                             # [6, W]
+    assert last_two.shape[0] == 2 and np.array_equal(last_two, full[4:])
+    import spectr_edge
+    gen = spectr_edge.load(out, provider="cpu")
+    for prompt in ([5, 6, 7, 8, 9], list(range(40, 60))):
+        plain = gen.generate_ids(prompt, max_new_tokens=32, temperature=0, num_candidates=0).token_ids
+        for options in (dict(num_candidates=1, draft_len=3), dict(drafter="lookup"), dict(num_candidates=1, draft_len=6)):
+            assert gen.generate_ids(prompt, max_new_tokens=32, temperature=0, **options).token_ids == plain, options
+    from spectr_edge.errors import InputError
+    with pytest.raises(InputError, match="not bit-exact on this bundle's w8a8 target.*use -k 1"):
+        gen.generate_ids([5, 6, 7], max_new_tokens=8, temperature=0, num_candidates=2, draft_len=2)
+
+
 def _padded_and_raw(bundle):
     """The bundle's int4 target as the runtime calls it (padded), and with every call as asked (raw)."""
     import dataclasses
