@@ -50,8 +50,11 @@ def main(argv=None) -> None:
     out_file = tmp / target["file"]
     out_file.parent.mkdir(parents=True, exist_ok=True)
     print(f"quantizing {src / target['file']} to {args.target_quant} ...", flush=True)
+    calibration = None
+    if args.target_quant == "w8a8":   # activation statistics for the smoothing (SmoothQuant)
+        calibration = quantize.calibration_ids(src / target.get("tokenizer_file", manifest["tokenizer"]["file"]))
     quantize.quantize(src / target["file"], out_file, args.target_quant, args.block_size,
-                      symmetric=args.symmetric or quantize.INT4_SYMMETRIC)
+                      symmetric=args.symmetric or quantize.INT4_SYMMETRIC, calibration=calibration)
     if args.target_quant == "int4":
         target["quant_block_size"] = args.block_size
         target["quant_symmetric"] = args.symmetric or quantize.INT4_SYMMETRIC

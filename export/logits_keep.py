@@ -79,7 +79,7 @@ def add_logits_keep(model, logits: str = "logits"):
 def _w8a8_head_readers(graph, node, producer) -> list:
     """For a w8a8 LM head (export/quantize.int8_rowwise: the hidden state is quantized per row, then
     MatMulInteger, then rescaled), the nodes that read the hidden state (its quantization's Abs
-    and Div); [] when `node` is not such a head or its quantized rows feed other matmuls too."""
+    and Div, or its smoothing Mul); [] when `node` is not such a head or its quantized rows feed other matmuls too."""
     if node is None or node.op_type != "Mul" or not node.name.startswith("/int8row/"):
         return []
     chain = node
@@ -91,10 +91,11 @@ def _w8a8_head_readers(graph, node, producer) -> list:
     prefix = q.rsplit("/", 1)[0] + "/"
     if sum(q in n.input for n in graph.node) != 1:
         return []
-    abs_node = next((n for n in graph.node if n.name == prefix + "Abs"), None)
-    if abs_node is None:
+    first = {n.name: n for n in graph.node if n.name in (prefix + "Smooth", prefix + "Abs")}
+    first = first.get(prefix + "Smooth") or first.get(prefix + "Abs")      # smoothed (SmoothQuant) or not
+    if first is None:
         return []
-    hidden = abs_node.input[0]
+    hidden = first.input[0]
     return [n for n in graph.node if n.name.startswith(prefix) and hidden in n.input]
 
 

@@ -168,7 +168,8 @@ def _place(role: str, g: Graph, quant: str, bundle: Path, progress: Progress, id
             (shutil.move if move else shutil.copy2)(str(f), str(dst.parent / f.name))
     else:
         with progress.step(f"quantizing {role} to {quant}"):
-            untied = quantize.quantize(g.path, dst, quant, block_size)
+            calibration = quantize.calibration_ids(tok.tokenizer_json) if quant == "w8a8" else None
+            untied = quantize.quantize(g.path, dst, quant, block_size, calibration=calibration)
             if untied:
                 progress.log(f"      gave the tied lm_head its own weight so it is quantized too ({untied} MatMul)")
             io, parity = onnx_export.read_io(dst, g.config), None

@@ -256,6 +256,7 @@ def test_quantized_target_runs(tmp_path, onnx_dir, quant, block):
     if quant == "w8a8":
         assert "MatMulInteger" in ops and not ops & {"MatMulNBits", "DynamicQuantizeLinear"}
         assert "/logits_keep/Slice" in [n.name for n in graph.node]   # before the head's row quantization
+        assert any(n.name.endswith("/Smooth") for n in graph.node)     # calibrated smoothing
         return
     assert "MatMulNBits" in ops and "DynamicQuantizeLinear" not in ops   # int8 too: row-local activations
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]

@@ -224,6 +224,11 @@ def test_w8a8_twin_is_exact_in_every_call_shape(tiny_qwen_bundle, tmp_path):
     ops = [n.op_type for n in graph.node]
     assert "MatMulInteger" in ops and "MatMul" not in [n.op_type for n in graph.node if n.input[1:2] and
                                                         n.input[1] in {i.name for i in graph.initializer}]
+    # activation outliers smoothed into the weights from calibration statistics (SmoothQuant), the
+    # LM head's input included
+    smoothed = [n for n in graph.node if n.name.endswith("/Smooth")]
+    assert len(smoothed) == len({n.input[0] for n in graph.node if n.op_type == "Abs"}) > 0
+    assert "/logits_keep/hidden" in [n.input[0] for n in smoothed]
     ids = (np.arange(24) * 13 % 400).astype(np.int64)[None]                      # [1, 24]
     model, ref = OnnxLM(spec, provider="cpu", threads=1), OnnxLM(read_bundle(tiny_qwen_bundle).target,
                                                                  provider="cpu", threads=1)
