@@ -1,4 +1,5 @@
-"""Weight quantization of an exported graph with onnxruntime.quantization.
+"""Quantization of an exported graph: weights (onnxruntime.quantization's MatMulNBits), or weights and
+activations (w8a8, written here).
 
     quantize(src, dst, "int8" | "int4" | "w8a8")
 
@@ -301,10 +302,11 @@ def int8_rowwise(model, act_max: dict | None = None, alpha: float = 0.5) -> int:
     W [K, N] -> int8 per output column, symmetric (scale = max |W[:, n]| / 127). x [..., K] -> uint8
     per row (per token), symmetric around 128: s = max |x_row| / 127, q = round(x / s) + 128, the
     zero point 128 being one scalar for every row. MatMulInteger then sums integer products exactly,
-    and y = float(int32) * s_row * w_col. Nothing in a row's numbers depends on the other rows of
-    the call, or on how many there are: a token's logits are bit-identical whether it is decoded
-    alone or verified in a block (no padding needed), unlike MatMulNBits, whose float kernels take
-    another path for a lone row. MatMuls that read the same x share its quantization (q, k, v; gate, up).
+    and y = float(int32) * s_row * w_col. Nothing in these GEMMs' rows depends on the other rows of
+    the call, or on how many there are (unlike MatMulNBits, whose float kernels pair rows); only the
+    float kernels around them treat a lone row differently, hence min_call_tokens 2 and
+    call_token_multiple 1 for such graphs. MatMuls that read the same x share its quantization
+    (q, k, v; gate, up).
 
     act_max: {x name: per-channel max |x| [K]} measured on calibration text (SmoothQuant): a few
     channels of some activations are 100x their median (the down projections' inputs of Qwen2.5),
@@ -312,7 +314,6 @@ def int8_rowwise(model, act_max: dict | None = None, alpha: float = 0.5) -> int:
     m = act_max^alpha / max|W row|^(1 - alpha) (one Mul before its quantization) and W's rows
     multiplied by m: the same product, with the outliers moved into the weights.
     """
-    import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
     graph = model.graph
@@ -333,28 +334,23 @@ def int8_rowwise(model, act_max: dict | None = None, alpha: float = 0.5) -> int:
               numpy_helper.from_array(np.array(128, np.float32), "int8row.128f"),
               numpy_helper.from_array(np.array(128, np.uint8), "int8row.zp")]
     new_inits = list(consts)
-    smooth: dict[str, np.ndarray] = {}              # x -> m [K]
-    for x in {n.input[0] for n in targets} if act_max else ():
-        if x not in act_max:
-            continue
-        wmax = np.max([np.abs(numpy_helper.to_array(inits[n.input[1]])).max(axis=1)
-                       for n in targets if n.input[0] == x], axis=0)                  # [K]
-        m = np.maximum(act_max[x], 1e-5) ** alpha / np.maximum(wmax, 1e-5) ** (1 - alpha)
-        smooth[x] = m.astype(np.float32)
-    quantized: dict[str, tuple[str, str]] = {}     # x -> (q, row scale)
-    replaced: dict[int, list] = {}                  # id(MatMul) -> its nodes
-    for k, node in enumerate(targets):
-        x, w_name = node.input
-        p = f"/int8row/{k}"
-        nodes = []
-        if x not in quantized:
-            q = f"/int8row/x{len(quantized)}"
-            xin = x
-            if x in smooth:
-                new_inits.append(numpy_helper.from_array(1.0 / smooth[x], q + "/inv_smooth"))
-                nodes.append(helper.make_node("Mul", [x, q + "/inv_smooth"], [q + "/smoothed"], name=q + "/Smooth"))
-                xin = q + "/smoothed"
-            nodes += [helper.make_node("Abs", [xin], [q + "/abs"], name=q + "/Abs"),
+    groups: dict[str, list] = {}                    # x -> the MatMuls reading it, in graph order
+    for node in targets:
+        groups.setdefault(node.input[0], []).append(node)
+    replaced: dict[int, list] = {}                  # id(first MatMul of a group) -> the group's nodes
+    k = 0
+    for g, (x, members) in enumerate(groups.items()):
+        q = f"/int8row/x{g}"
+        weights = [numpy_helper.to_array(inits[n.input[1]]).astype(np.float32) for n in members]   # [K, N]
+        xin, nodes = x, []
+        if act_max and x in act_max:
+            wmax = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)                       # [K]
+            m = (np.maximum(act_max[x], 1e-5) ** alpha / np.maximum(wmax, 1e-5) ** (1 - alpha)).astype(np.float32)
+            weights = [w * m[:, None] for w in weights]
+            new_inits.append(numpy_helper.from_array(1.0 / m, q + "/inv_smooth"))
+            nodes.append(helper.make_node("Mul", [x, q + "/inv_smooth"], [q + "/smoothed"], name=q + "/Smooth"))
+            xin = q + "/smoothed"
+        nodes += [helper.make_node("Abs", [xin], [q + "/abs"], name=q + "/Abs"),
                       helper.make_node("ReduceMax", [q + "/abs", "int8row.axes"], [q + "/max"],
                                        keepdims=1, name=q + "/ReduceMax"),
                       helper.make_node("Div", [q + "/max", "int8row.127"], [q + "/s0"], name=q + "/Div0"),
@@ -362,27 +358,27 @@ def int8_rowwise(model, act_max: dict | None = None, alpha: float = 0.5) -> int:
                       helper.make_node("Div", [xin, q + "/s"], [q + "/xs"], name=q + "/Div"),
                       helper.make_node("Round", [q + "/xs"], [q + "/xr"], name=q + "/Round"),
                       helper.make_node("Add", [q + "/xr", "int8row.128f"], [q + "/xu"], name=q + "/Add"),
-                      helper.make_node("Cast", [q + "/xu"], [q + "/q"], to=TensorProto.UINT8, name=q + "/Cast")]
-            quantized[x] = (q + "/q", q + "/s")
-        q_name, s_name = quantized[x]
-        w = numpy_helper.to_array(inits[w_name]).astype(np.float32)                 # [K, N]
-        if x in smooth:
-            w = w * smooth[x][:, None]
-        scale = np.maximum(np.abs(w).max(axis=0), 1e-30) / 127.0                     # [N]
-        wq = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
-        new_inits += [numpy_helper.from_array(wq, w_name + ".int8"),
-                      numpy_helper.from_array(scale.astype(np.float32), w_name + ".int8_scale")]
-        nodes += [helper.make_node("MatMulInteger", [q_name, w_name + ".int8", "int8row.zp"], [p + "/i32"],
-                                   name=p + "/MatMulInteger"),
-                  helper.make_node("Cast", [p + "/i32"], [p + "/f"], to=TensorProto.FLOAT, name=p + "/Cast"),
-                  helper.make_node("Mul", [p + "/f", s_name], [p + "/fs"], name=p + "/MulRow"),
-                  helper.make_node("Mul", [p + "/fs", w_name + ".int8_scale"], [node.output[0]], name=p + "/MulCol")]
-        replaced[id(node)] = nodes
-        users[w_name] -= 1
-        del w
+                  helper.make_node("Cast", [q + "/xu"], [q + "/q"], to=TensorProto.UINT8, name=q + "/Cast")]
+        for node, w in zip(members, weights):
+            w_name, p = node.input[1], f"/int8row/{k}"
+            k += 1
+            scale = np.maximum(np.abs(w).max(axis=0), 1e-30) / 127.0                     # [N]
+            wq = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+            new_inits += [numpy_helper.from_array(wq, w_name + ".int8"),
+                          numpy_helper.from_array(scale.astype(np.float32), w_name + ".int8_scale")]
+            nodes += [helper.make_node("MatMulInteger", [q + "/q", w_name + ".int8", "int8row.zp"], [p + "/i32"],
+                                       name=p + "/MatMulInteger"),
+                      helper.make_node("Cast", [p + "/i32"], [p + "/f"], to=TensorProto.FLOAT, name=p + "/Cast"),
+                      helper.make_node("Mul", [p + "/f", q + "/s"], [p + "/fs"], name=p + "/MulRow"),
+                      helper.make_node("Mul", [p + "/fs", w_name + ".int8_scale"], [node.output[0]], name=p + "/MulCol")]
+            users[w_name] -= 1
+        replaced[id(members[0])] = nodes
+        del weights
+    dropped = {id(n) for ms in groups.values() for n in ms[1:]}   # emitted with their group's first
     rebuilt = []
     for n in graph.node:
-        rebuilt += replaced.get(id(n), [n])
+        if id(n) not in dropped:
+            rebuilt += replaced.get(id(n), [n])
     del graph.node[:]
     graph.node.extend(rebuilt)
     dead = {name for name, count in users.items() if count == 0}
