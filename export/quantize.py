@@ -150,12 +150,19 @@ def min_call_tokens(path: Path) -> int:
     graph = onnx.load(str(path), load_external_data=False).graph
     if any(n.op_type == "DynamicQuantizeLinear" for n in graph.node):
         return 1
-    if _is_w8a8(graph):
-        return 2
-    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
-    if any(a.name == "accuracy_level" and a.i >= 4 for n in nbits for a in n.attribute):
-        return 2
-    return 1
+    return 2 if quantizes_activations(graph) else 1
+
+
+def quantizes_activations(graph) -> bool:
+    """Whether the graph quantizes activations inside itself: int8 dynamic (DynamicQuantizeLinear),
+    w8a8 (MatMulInteger) or MatMulNBits with int8 compute (accuracy_level >= 4). Their kernels or
+    the rounding to int8 make a token's logits move with the shape of the call it is scored in."""
+    for n in graph.node:
+        if n.op_type in ("DynamicQuantizeLinear", "MatMulInteger"):
+            return True
+        if n.op_type == "MatMulNBits" and any(a.name == "accuracy_level" and a.i >= 4 for a in n.attribute):
+            return True
+    return False
 
 
 def check_block_size(block_size: int) -> None:

@@ -26,7 +26,7 @@ from spectr_edge.bundle import write_manifest
 from spectr_edge.errors import ExportError
 
 from .fuse_attention import FUSED, fuse_attention
-from .quantize import min_call_tokens
+from .quantize import min_call_tokens, quantizes_activations
 
 TREE_MASK_INPUT = "tree_attention_mask"
 QUANTIZED_REL_TOL = 0.05
@@ -225,13 +225,7 @@ def _per_call_quantized(path: Path) -> bool:
     the int4 0.5B draft's logits by 0.23), so only the chain is compared exactly."""
     import onnx
 
-    graph = onnx.load(str(path), load_external_data=False).graph
-    for n in graph.node:
-        if n.op_type in ("DynamicQuantizeLinear", "MatMulInteger"):   # per call; w8a8 (per row)
-            return True
-        if n.op_type == "MatMulNBits" and any(a.name == "accuracy_level" and a.i >= 4 for a in n.attribute):
-            return True
-    return False
+    return quantizes_activations(onnx.load(str(path), load_external_data=False).graph)
 
 
 def tree_entry(entry: dict, still_has_mask: bool, fused: bool = False) -> dict:
