@@ -63,6 +63,9 @@ def main(argv=None) -> None:
     target.pop("parity_max_abs_diff", None)   # measured for the float32 graph, not this one
     # tune's results (cost curves, draft costs relative to the target, chosen defaults) were measured
     # with the float32 target: run `spectr-edge tune --bundle DST` for this one
+    if manifest.get("guess_head"):   # its head still reads this target's hidden states, but learned SRC's
+        print(f"note: the guess head was trained on {src}'s target; train one for this target with "
+              f"spectr-edge export --add-guess-head --out {dst}", flush=True)
     for key in ("tuning", "defaults"):
         manifest.pop(key, None)
     target.pop("cost_curve", None)

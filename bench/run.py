@@ -10,6 +10,7 @@
     .venv/bin/python bench/run.py --suite quant-wide                      # the same + the int8 twin's t-o and default
     .venv/bin/python bench/run.py --suite precisions                      # float32, int8, int4: default vs own target-only
     .venv/bin/python bench/run.py --suite w8a8                            # the same + w8a8, llama.cpp Q4, ORT GenAI int4
+    .venv/bin/python bench/run.py --suite guess                           # int4 with and without the guess head, 48 prompts
     .venv/bin/python bench/run.py --suite trees                           # issue 5: draft trees, tuned defaults
     .venv/bin/python bench/run.py --suite length                          # float32: model+lookup drafts of 6, 8, 10 tokens
     .venv/bin/python bench/run.py --suite prefill                         # LM head on the last position vs all (TTFT)
@@ -239,6 +240,18 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
             out += [peer("llama.cpp", "llamacpp", "Q4 target-only", 0.0),
                     peer("ortgenai", "ortgenai:qwen1.5b-int4", "int4 target-only", 0.0)]
         return out
+    if name == "guess":     # the target's guess head (export/guess_head.py): the int4 bundle with it against
+        # its twin without it (same weights, bench/README), greedy; T=1 too with --all-configs; llama.cpp's Q4
+        tag_off = "int4 target, no guess head"
+        out = []
+        for t in ((0.0, 1.0) if all_configs else (0.0,)):
+            own = f"spectr-edge T={t:g} target-only [{tag_off}]"
+            out += [{**on_bundle(spectr(t, 0), str(INT4_NOHEAD_BUNDLE), tag_off), "own_baseline": None},
+                    {**on_bundle(spectr_default(t), str(INT4_NOHEAD_BUNDLE), tag_off), "own_baseline": own},
+                    {**on_bundle(spectr(t, 0), other_bundle or str(INT4_BUNDLE), "int4 target"), "own_baseline": own},
+                    {**on_bundle(spectr_default(t), other_bundle or str(INT4_BUNDLE), "int4 target"),
+                     "own_baseline": own}]
+        return out + [peer("llama.cpp", "llamacpp", "Q4 target-only", 0.0)]
     if name == "trees":     # issue 5: draft trees and the tuned defaults, greedy and T=1 (tune both bundles first)
         return trees_suite(other_bundle)
     if name == "window":    # issue 6, float32 target: lookup before the model, and the draft's context window
@@ -251,7 +264,7 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
         out += precision_rows(other_bundle or INT4_BUNDLE, "int4 target")
         return out + precision_rows(INT4_FULL_LOGITS, "int4 target, full logits")
     raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu, int4-calls, "
-                     "int4-wide, quant-wide, precisions, w8a8, trees, window, length or prefill")
+                     "int4-wide, quant-wide, precisions, w8a8, guess, trees, window, length or prefill")
 
 
 def tree_method(temperature: float, budget: int, depth: int) -> dict:
@@ -323,6 +336,7 @@ FULL_LOGITS = BENCH.parent / "models" / "default-full-logits"            # bench
 INT4_FULL_LOGITS = BENCH.parent / "models" / "default-int4-full-logits"
 INT4_B32_BUNDLE = BENCH.parent / "models" / "default-int4-b32"   # the int4 layout before stop 12
 INT4_STDTABLE_BUNDLE = BENCH.parent / "models" / "default-int4-stdtable"   # models/default-int4 before stop 14
+INT4_NOHEAD_BUNDLE = BENCH.parent / "models" / "default-int4-nohead"   # models/default-int4 without its guess head
 SETUP = {"llamacpp": "bash bench/peers/llamacpp_setup.sh", "ortgenai": "bash bench/peers/ortgenai_setup.sh"}
 
 
@@ -490,7 +504,8 @@ def main(argv=None) -> None:
                                "adaptive": "stratified-1", "cpu": "stratified-2", "window": "stratified-2",
                                "int4-calls": "stratified-2", "length": "stratified-2",
                                "trees": "stratified-1", "int4-wide": "stratified-8", "quant-wide": "stratified-8",
-                               "precisions": "stratified-2", "w8a8": "stratified-2", "prefill": "stratified-2"}.get(
+                               "precisions": "stratified-2", "w8a8": "stratified-2", "prefill": "stratified-2",
+                               "guess": "stratified-8"}.get(
         args.suite, "stratified-4")
     if args.quick:
         subset, args.max_new_tokens = (args.prompts or "stratified-1"), 32

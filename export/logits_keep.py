@@ -27,6 +27,7 @@ LOGITS_KEEP_INPUT = "logits_keep"
 ALL = 2 ** 62                   # more positions than any call has
 _PASS_THROUGH = {"Cast", "Identity"}
 _HEAD_OPS = {"MatMul", "MatMulNBits", "Gemm"}
+GUESS_HEAD_PREFIX = "/guess_head/"      # export/guess_head.PREFIX
 
 
 def add_logits_keep(model, logits: str = "logits"):
@@ -39,11 +40,7 @@ def add_logits_keep(model, logits: str = "logits"):
     graph = model.graph
     if any(i.name == LOGITS_KEEP_INPUT for i in graph.input):
         return model
-    producer = {o: n for n in graph.node for o in n.output}
-    node = producer.get(logits)
-    while node is not None and node.op_type in _PASS_THROUGH:
-        node = producer.get(node.input[0])
-    readers = [node] if node is not None and node.op_type in _HEAD_OPS else _w8a8_head_readers(graph, node, producer)
+    readers = head_readers(graph, logits)
     if not readers:
         raise ExportError(f"the graph's '{logits}' output does not come from a MatMul (LM head); "
                           "cannot add the logits_keep input")
@@ -61,7 +58,9 @@ def add_logits_keep(model, logits: str = "logits"):
     at = min(i for i, n in enumerate(graph.node) if any(n is r for r in readers))
     for j, n in enumerate(new_nodes):
         graph.node.insert(at + j, n)
-    for r in readers:
+    # the guess head (export/guess_head.py) reads the LM head's input too and must see the same rows
+    followers = [n for n in graph.node if n.name.startswith(GUESS_HEAD_PREFIX) and hidden in n.input]
+    for r in readers + followers:
         for i, name in enumerate(r.input):
             if name == hidden:
                 r.input[i] = sliced
@@ -74,6 +73,18 @@ def add_logits_keep(model, logits: str = "logits"):
                 dims[1].Clear()
                 dims[1].dim_param = "kept_positions"
     return model
+
+
+def head_readers(graph, logits: str = "logits") -> list:
+    """The nodes that read the LM head's hidden-state input: the MatMul (MatMulNBits, Gemm) that
+    produces `logits` (possibly through Casts), or a w8a8 head's first nodes; [] when not found."""
+    producer = {o: n for n in graph.node for o in n.output}
+    node = producer.get(logits)
+    while node is not None and node.op_type in _PASS_THROUGH:
+        node = producer.get(node.input[0])
+    if node is not None and node.op_type in _HEAD_OPS:
+        return [node]
+    return _w8a8_head_readers(graph, node, producer)
 
 
 def _w8a8_head_readers(graph, node, producer) -> list:

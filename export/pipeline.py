@@ -25,7 +25,7 @@ import numpy as np
 from spectr_edge import ngram_table
 from spectr_edge.errors import ExportError
 
-from . import onnx_export, presets, quantize, sources, tokenizer_fix, tree_mask, writer
+from . import guess_head as head, onnx_export, presets, quantize, sources, tokenizer_fix, tree_mask, writer
 from .logits_keep import upgrade_entry as _keep_last_logits
 
 PROBE_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
@@ -214,12 +214,40 @@ def _total_steps(plan: Plan, tree: bool = False) -> int:
     return n
 
 
+def _first_tokens(rows: list[list[int]], tokens: int) -> list[list[int]]:
+    """The leading rows that hold about `tokens` tokens (whole rows, the last may overshoot)."""
+    take, total = [], 0
+    for row in rows:
+        if total >= tokens:
+            break
+        take.append(row)
+        total += len(row)
+    return take
+
+
+def _train_guess_head(bundle: Path, manifest: dict, rows: list[list[int]], source: str, log) -> None:
+    """Train the target's guess head on (the first head.HEAD_TOKENS tokens of) the sampled rows and
+    record it in the manifest; without rows (no chat template) the bundle gets none."""
+    from spectr_edge.bundle import bundle_from_manifest
+
+    take = _first_tokens(rows, head.HEAD_TOKENS)
+    total = sum(map(len, take))
+    if not take:
+        log("      no conversation to train on (the tokenizer has no chat template): no guess head")
+        return
+    b = bundle_from_manifest(bundle, manifest)
+    entry = head.write_head(b.target, take, b.tokenizer.vocab_size, log)
+    entry["source"] = f"{total} tokens of conversation sampled from {source}"
+    head.record(manifest, entry, b.target.file)
+    log(f"      agreement with the target's own greedy choice on held-out text: {entry['heldout_agreement']:.3f}")
+
+
 def export_bundle(out: str | Path, *, target: str | None = None, draft: str | None = None,
                   preset: str | None = None, target_quant: str = "none", draft_quant: str = "none",
                   overwrite: bool = False, tree_mask: bool = True, logits_keep: bool = True,
                   int4_block_size: int = quantize.INT4_BLOCK_SIZE,
                   lookup_conversation_tokens: int = ngram_table.CONVERSATION_TOKENS,
-                  log: Callable[[str], None] = _stderr) -> Path:
+                  guess_head: bool | None = None, log: Callable[[str], None] = _stderr) -> Path:
     """Export a target (and optional draft, or "self" = quantized target) into a bundle at out.
 
     Sources: local HF directory, .gguf file, optimum ONNX directory, hub id, or preset=NAME
@@ -230,12 +258,18 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
     int4_block_size: weights per scale and zero point of int4 graphs (32, 64, 128 or 256).
     lookup_conversation_tokens: tokens of conversation sampled from the draft (else the target) for
     prompt lookup's next-token table (spectr_edge/self_text.py; 0 = library source only).
+    guess_head: train the target's guess head on that conversation (at least head.HEAD_TOKENS of it
+    are sampled) and write it into the target graph (export/guess_head.py); None: for quantized
+    targets only, whose default drafter (prompt lookup) uses it.
     Raises ExportError (one line) on any user-fixable problem; out is then left untouched.
     """
     out = Path(out).expanduser().absolute()
     plan = _plan(target, draft, preset, target_quant, draft_quant, out)
     quantize.check_block_size(int4_block_size)   # before anything is written
-    progress = Progress(log, _total_steps(plan, tree_mask) + (lookup_conversation_tokens > 0))
+    if guess_head is None:
+        guess_head = plan.target_quant != "none"
+    sampled = max(lookup_conversation_tokens, head.HEAD_TOKENS if guess_head else 0)
+    progress = Progress(log, _total_steps(plan, tree_mask) + (sampled > 0) + guess_head)
     t_start = time.perf_counter()
     with writer.staging(out, overwrite) as bundle:
         work = bundle / "_work"
@@ -279,13 +313,24 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
             shutil.rmtree(work)
             entries = {role: entries[role] for role in ("target", "draft") if role in entries}
             manifest = writer.manifest(plan.name, writer.tokenizer_entry(t_tok), entries)
-            if lookup_conversation_tokens <= 0:
+            if sampled <= 0:
                 manifest["lookup_table"] = ngram_table.write_table(bundle, bundle / "tokenizer.json",
                                                                    int(manifest["tokenizer"]["vocab_size"]))
-        if lookup_conversation_tokens > 0:    # the table of library source and sampled conversation
-            with progress.step("sampling conversation for prompt lookup's next-token table"):
-                manifest["lookup_table"] = ngram_table.table_with_conversation(bundle, manifest,
-                                                                               lookup_conversation_tokens, log)
+        rows, source = [], ""
+        if sampled > 0:    # the table of library source and sampled conversation; the guess head's text
+            with progress.step("sampling conversation for prompt lookup's next-token table"
+                               + (" and the guess head" if guess_head else "")):
+                rows, source = ngram_table.sample_bundle_conversation(bundle, manifest, sampled, log)
+                if lookup_conversation_tokens > 0:
+                    manifest["lookup_table"] = ngram_table.table_with_conversation(
+                        bundle, manifest, lookup_conversation_tokens, log,
+                        rows=_first_tokens(rows, lookup_conversation_tokens), source=source)
+                else:
+                    manifest["lookup_table"] = ngram_table.write_table(bundle, bundle / "tokenizer.json",
+                                                                       int(manifest["tokenizer"]["vocab_size"]))
+        if guess_head:
+            with progress.step("training the target's guess head"):
+                _train_guess_head(bundle, manifest, rows, source, log)
         writer.write_manifest(bundle, manifest)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     log(f"bundle {out} written ({size / 1e6:.1f} MB) in {time.perf_counter() - t_start:.1f} s")

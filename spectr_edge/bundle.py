@@ -61,6 +61,8 @@ class ModelSpec:
                                           # (block 128 with zero points): batch-1 calls score an even count
     logits_keep: str | None = None        # int64 [1] input: the call returns the logits of its last n positions
                                           # only (export/logits_keep.py); None: every position's
+    guess: str | None = None              # int64 [batch, rows] output: per logits row, the guessed token after the
+                                          # one that row chooses (export/guess_head.py); None: no guess head
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ def _model_spec(bundle: Path, role: str, m: dict) -> ModelSpec:
             min_call_tokens=int(m.get("min_call_tokens", 1)),
             call_multiple=max(1, int(m.get("call_token_multiple", 1))),
             logits_keep=_input_name(inputs.get("logits_keep"), f"{where}.inputs.logits_keep"),
+            guess=_input_name(outputs.get("guess"), f"{where}.outputs.guess"),
         )
     except (TypeError, ValueError) as err:
         raise BundleError(f"spectr.json entry {where} is malformed ({err}); re-export the bundle") from None
@@ -155,7 +158,7 @@ def _input_name(value, where: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value:
-        raise BundleError(f"spectr.json {where} is {value!r}; expected the name of a graph input, "
+        raise BundleError(f"spectr.json {where} is {value!r}; expected the name of one of the graph's inputs or outputs, "
                           "re-export the bundle")
     return value
 

@@ -162,6 +162,10 @@ def info(bundle):
     table = b.manifest.get("lookup_table") if b.lookup_table is not None else None
     click.echo(f"lookup table: {table.get('corpus_tokens', '?')} tokens of the {table.get('source', '?')}"
                if table else "lookup table: none (spectr-edge export --add-lookup-table)")
+    head = b.manifest.get("guess_head") if b.target.guess else None
+    click.echo(f"guess head: the target guesses the token after its next one ({head.get('vocab', '?')} tokens, "
+               f"agreement with its own greedy choice on held-out text {head.get('heldout_agreement', float('nan')):.3f})"
+               if head else "guess head: none (spectr-edge export --add-guess-head)")
     tuned = b.manifest.get("tuning")
     if tuned:
         curve = dict((int(n), c) for n, c in b.manifest["models"]["target"].get("cost_curve", []))
@@ -244,13 +248,34 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
 @click.option("--add-lookup-table", is_flag=True,
               help="(Re)build prompt lookup's static next-token table of the existing bundle at --out "
                    "(new exports have it).")
+@click.option("--add-guess-head", is_flag=True,
+              help="Train the target's guess head for the existing bundle at --out (~14 min for a 1.5B target on "
+                   "2 cores): the target graph also guesses the token after its next one, prompt lookup's "
+                   "free draft on int4/int8/w8a8 targets. Replaces an earlier head.")
+@click.option("--guess-head/--no-guess-head", default=None,
+              help="Train the target's guess head at export [default: for int4/int8/w8a8 targets, whose "
+                   "default drafter uses it; ~9 min more].")
 @click.option("--lookup-conversation-tokens", type=click.IntRange(min=0), default=CONVERSATION_TOKENS,
               show_default=True,
               help="Tokens of conversation sampled from the draft model (else the target) for that table, "
                    "beside the Python library's source (~7 min for the default on 2 cores; 0 = library only).")
 def export(target, draft, preset, out, target_quant, draft_quant, int4_block_size, overwrite, no_tree_mask,
-           add_tree_mask, add_lookup_table, lookup_conversation_tokens):
+           add_tree_mask, add_lookup_table, add_guess_head, guess_head, lookup_conversation_tokens):
     """Export a target (and draft) model into a bundle."""
+    if add_guess_head:
+        if preset or target or add_tree_mask or add_lookup_table or guess_head is not None:
+            raise click.UsageError("--add-guess-head upgrades the bundle at --out; give no --target, --preset, "
+                                   "--add-tree-mask, --add-lookup-table or --[no-]guess-head")
+        from .bundle import read_bundle
+        read_bundle(out)                           # a clear error for a missing or corrupt bundle
+        try:
+            from export.guess_head import add_guess_head_to_bundle
+            import torch  # noqa: F401
+        except ImportError as err:
+            _fail(f"--add-guess-head needs the export extra ({err.name or err} is missing): "
+                  "pip install torch==2.13.0 && pip install -e '.[export]'")
+        add_guess_head_to_bundle(out, log=click.echo)
+        return
     if add_lookup_table:
         if preset or target or add_tree_mask:
             raise click.UsageError("--add-lookup-table upgrades the bundle at --out; give no --target, --preset "
@@ -282,7 +307,7 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
     if int4_block_size:
         options["int4_block_size"] = int(int4_block_size)
     path = exporter.export_bundle(out, target=target, draft=draft, preset=preset, overwrite=overwrite,
-                                  tree_mask=not no_tree_mask,
+                                  tree_mask=not no_tree_mask, guess_head=guess_head,
                                   lookup_conversation_tokens=lookup_conversation_tokens, **options)
     click.echo(f"bundle written to {path}")
 

@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from . import selection
-from .lookup import PromptLookup
+from .lookup import GUESS, PromptLookup
 from .policy import AdaptiveLength, CostCurve
 from .onnx_model import OnnxLM
 from .sampling import SamplingParams, greedy_token, logits_to_probs, sample
@@ -118,10 +118,12 @@ class Engine:
         shape = None if req.sampling.greedy or not dynamic_tree else sequoia_shape(req.tree_budget, req.draft_len)
         num_candidates = 1 if req.sampling.greedy and not greedy_tree else req.num_candidates
         lookup = None
+        # the table's and the guess head's one-token guesses: with lookup alone, or weighed against the model
+        guess_role = req.drafter == "lookup" or req.adaptive
         if req.drafter != "model":
             # the table has a guess almost always: before the model it would leave the model nothing
             # to draft, unless the adaptive rule weighs each guess against the model
-            table = self.lookup_table if req.drafter == "lookup" or req.adaptive else None
+            table = self.lookup_table if guess_role else None
             lookup = PromptLookup(self.cost, req.lookup_len, max_ngram=req.lookup_ngram[1],
                                   min_ngram=req.lookup_ngram[0], table=table)
         # --draft lookup -k N (a tree target): up to N copied candidates verified as one token trie
@@ -133,6 +135,11 @@ class Engine:
         if req.adaptive and use_model and num_candidates == 1:
             policy = AdaptiveLength(self.cost, self.draft_cost, req.draft_len)
         ids, t_cache = self._prefill(req, rng, stats)
+        # the target's guess head (export/guess_head.py): its guess for the token after ids[-1], when
+        # the latest target call was a prefill, a plain step or a prompt-lookup step; only prompt
+        # lookup with its table's role (a guess in the second slot) uses it
+        use_guess = lookup is not None and guess_role and self.target.spec.guess is not None
+        guess = self._guess_after(-1) if use_guess else None
         yield [ids[-1]]
         d_cache, draft_seen = (self.draft.new_cache() if use_model else None), 0
         if use_model and req.draft_window > 0:
@@ -153,7 +160,7 @@ class Engine:
                 stats.seconds_select += time.perf_counter() - t0
             elif lookup is not None and budget >= 1:
                 t0 = time.perf_counter()
-                proposal, ngram = lookup.propose(ids, budget)
+                proposal, ngram = lookup.propose(ids, budget, guess)
                 if proposal and policy is not None and draft_len >= 1 and \
                         policy.best(draft_len)[1] > lookup.rate(ngram, len(proposal)):
                     proposal = []      # the draft model is expected to yield more per unit of time this step
@@ -161,17 +168,23 @@ class Engine:
             if policy is not None and draft_len >= 1 and not proposal:
                 draft_len = policy.choose(draft_len)
                 stats.undrafted += draft_len == 0          # the length rule chose a plain step
+            chose_last = False         # whether row len(tokens) - 1 of this step's call chose its last token
             if trie_rows is not None and len(trie_rows) > 1:
                 tokens = self._lookup_trie_step(ids, t_cache, trie_rows, req, rng, stats)
                 lookup.update_trie(verified, tokens)
             elif proposal:
                 tokens = self._lookup_step(ids, t_cache, proposal, req, rng, stats)
+                chose_last = True
                 if trie_rows is not None:
                     lookup.update_trie(verified, tokens)
                 else:
                     lookup.update(ngram, len(proposal), len(tokens) - 1)
+                    if ngram == GUESS:
+                        stats.guess_steps += 1
+                        stats.guess_accepted += len(tokens) - 1
             elif draft_len < 1 or not use_model:
                 tokens = self._plain_step(ids, t_cache, req, rng, stats)
+                chose_last = True
             elif dynamic_tree and shape is not None:
                 tokens, draft_seen = self._sequoia_step(ids, t_cache, d_cache, draft_seen, shape, draft_len, req,
                                                         rng, stats)
@@ -187,9 +200,18 @@ class Engine:
                                                      draft_len, req, rng, stats)
                 if policy is not None:
                     policy.update(stats.drafted - drafted, len(tokens) - 1)
+            if use_guess:
+                guess = self._guess_after(len(tokens) - 1) if chose_last else None
             ids.extend(tokens)
             emitted += len(tokens)
             yield tokens
+
+    def _guess_after(self, row: int, batch_row: int = 0) -> int | None:
+        """The guess head's token for after the token that `row` of the latest target call chose."""
+        guess = self.target.guess
+        if guess is None or not -guess.shape[1] <= row < guess.shape[1]:
+            return None
+        return int(guess[batch_row, row])
 
     def _lookup_step(self, ids, t_cache, draft, req, rng, stats) -> list[int]:
         """Verify a deterministic (prompt-lookup) draft in one batch-1 call: exact greedy at

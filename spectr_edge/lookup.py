@@ -24,6 +24,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 from .ngram_table import NgramTable
 from .policy import PRIOR_ACCEPTED, PRIOR_REACHED, CostCurve, best_length, step_rate
 
+GUESS = "guess"     # statistics key of the guess head's one-token drafts
+
+
 class PromptLookup:
     """The drafter and its per-generation acceptance statistics."""
 
@@ -56,8 +59,8 @@ class PromptLookup:
                 return [int(t) for t in arr[start:start + limit]], n
         return [], 0
 
-    def acceptance(self, n: int) -> float:
-        return self.accepted[n] / self.reached[n]
+    def acceptance(self, n) -> float:
+        return self.key_acceptance(n)
 
     def rate(self, n: int, length: int) -> float:
         """Expected tokens per unit of target time of verifying `length` tokens of an n-gram match."""
@@ -68,9 +71,18 @@ class PromptLookup:
         (policy.best_length with a free drafter and the same acceptance at every position)."""
         return best_length(self.cost, 0.0, [self.acceptance(n)] * available)[0]
 
-    def propose(self, ids, limit: int) -> tuple[list[int], int]:
-        """The draft to verify this step (possibly empty) and its n-gram size (negative: the table's)."""
+    def propose(self, ids, limit: int, guess: int | None = None) -> tuple[list[int], object]:
+        """The draft to verify this step (possibly empty) and its statistics key: the n-gram size
+        (negative: the table's), or GUESS for the target's guess head.
+
+        guess: the target's guess-head token for after ids[-1] (export/guess_head.py). It replaces
+        the copied draft when a one-token draft of it is expected to yield more per unit of target
+        time, and the table's guess always."""
         draft, n = self.search(ids, min(limit, self.max_len))
+        if guess is not None and limit >= 1:
+            if not draft or (draft[0] != guess and self.rate(GUESS, 1) >
+                             self.rate(n, max(1, self.best_length(n, len(draft))))):
+                draft, n = [int(guess)], GUESS
         if not draft and self.table is not None and limit >= 1:
             guess = self.table.guess(ids)
             if guess is not None:
@@ -81,6 +93,7 @@ class PromptLookup:
 
     def update(self, n: int, draft_len: int, accepted: int) -> None:
         """Positions verified: accepted + 1 (the first rejected one) unless all were accepted."""
+        self.key_acceptance(n)                 # the key's prior, if it has none yet
         self.reached[n] += min(accepted + 1, draft_len)
         self.accepted[n] += accepted
 

@@ -132,26 +132,38 @@ class NgramTable:
         return None
 
 
-def table_with_conversation(bundle: Path, manifest: dict, conversation_tokens: int, log=print,
-                            threads: int | None = None) -> dict:
-    """Write the table of a bundle (its manifest given) with `conversation_tokens` tokens of
-    conversation sampled from its draft model, else its target; returns the manifest entry."""
+def sample_bundle_conversation(bundle: Path, manifest: dict, tokens: int, log=print,
+                               threads: int | None = None, seed: int = 0) -> tuple[list[list[int]], str]:
+    """(rows, their source) : `tokens` tokens of conversation sampled from the bundle's draft model,
+    else its target (self_text.py); no rows when the tokenizer has no chat template."""
     from .bundle import bundle_from_manifest
     from .onnx_model import OnnxLM
     from .self_text import sample_conversations
     from .text import TextCodec
     b = bundle_from_manifest(bundle, manifest)
     spec = b.draft or b.target
-    conversations = []
-    if conversation_tokens > 0:
-        log(f"      sampling {conversation_tokens} tokens of conversation from the {spec.role} model")
-        conversations = sample_conversations(OnnxLM(spec, provider="cpu", threads=threads), TextCodec(b.tokenizer),
-                                             b.tokenizer.vocab_size, b.tokenizer.eos_token_ids,
-                                             conversation_tokens, log=log)
-        if not conversations:
-            log("      the tokenizer has no chat template, so the table has library source only")
-    return write_table(bundle, b.tokenizer.file, b.tokenizer.vocab_size, conversations=conversations,
-                       conversation_source=f"the {spec.role} model ({spec.source})")
+    if tokens <= 0:
+        return [], ""
+    log(f"      sampling {tokens} tokens of conversation from the {spec.role} model")
+    rows = sample_conversations(OnnxLM(spec, provider="cpu", threads=threads), TextCodec(b.tokenizer),
+                                b.tokenizer.vocab_size, b.tokenizer.eos_token_ids, tokens, seed=seed, log=log)
+    if not rows:
+        log("      the tokenizer has no chat template: no conversation to sample")
+    return rows, f"the {spec.role} model ({spec.source})"
+
+
+def table_with_conversation(bundle: Path, manifest: dict, conversation_tokens: int, log=print,
+                            threads: int | None = None, rows: list[list[int]] | None = None,
+                            source: str = "") -> dict:
+    """Write the table of a bundle (its manifest given) with `conversation_tokens` tokens of
+    conversation sampled from its draft model, else its target (or the given rows and their
+    source); returns the manifest entry."""
+    if rows is None:
+        rows, source = sample_bundle_conversation(bundle, manifest, conversation_tokens, log, threads)
+    from .bundle import bundle_from_manifest
+    tokenizer = bundle_from_manifest(bundle, manifest).tokenizer
+    return write_table(bundle, tokenizer.file, tokenizer.vocab_size, conversations=rows,
+                       conversation_source=source)
 
 
 def add_lookup_table(bundle_path, log=print, conversation_tokens: int = CONVERSATION_TOKENS,

@@ -104,6 +104,11 @@ class OnnxLM:
         names = {i.name for i in self.session.get_inputs()}
         self.logits_keep = spec.logits_keep or (LOGITS_KEEP if LOGITS_KEEP in names else None)
         self._output_names = [spec.logits] + [n for kv in spec.present for n in kv]
+        if spec.guess:
+            self._output_names.append(spec.guess)
+        # guess_ids of the latest call # [batch, rows], aligned with the logits it returned (None
+        # without a guess head): row i's guess for the token after the one row i's logits choose
+        self.guess: np.ndarray | None = None
         self.dtype = np.float16 if spec.dtype == "float16" else np.float32
         self.seconds = 0.0   # wall time spent inside session.run
         self.calls = 0
@@ -118,6 +123,9 @@ class OnnxLM:
             want_in.append(spec.position_ids)
         missing = [n for n in want_in if n not in have_in]
         missing += [n for n in [spec.logits] + [n for kv in spec.present for n in kv] if n not in have_out]
+        if spec.guess and spec.guess not in have_out:
+            raise BundleError(f"the {spec.role} graph lacks the '{spec.guess}' output its manifest declares; "
+                              "re-run spectr-edge export --add-guess-head on the bundle")
         if missing or len(spec.past) != spec.num_layers:
             raise BundleError(f"the {spec.role} graph lacks the expected KV-cache inputs/outputs "
                               f"({', '.join(missing[:3]) or 'layer count'}); export it with a KV cache "
@@ -191,6 +199,8 @@ class OnnxLM:
         self.seconds += time.perf_counter() - started
         self.calls += 1
         cache.replace([(outputs[1 + 2 * i], outputs[2 + 2 * i]) for i in range(spec.num_layers)])
+        if spec.guess:
+            self.guess = outputs[-1]
         return outputs[0]
 
     def _forward_padded(self, input_ids, cache, tree, depth, pad: int, past_mask=None,
@@ -218,6 +228,8 @@ class OnnxLM:
         length = cache.length
         logits = self.forward(ids, cache, tree, depth, past_mask, None if last is None else last + pad)
         cache.crop(length + new)
+        if self.guess is not None:
+            self.guess = self.guess[:, :self.guess.shape[1] - pad]
         return logits[:, :logits.shape[1] - pad]
 
     def _forward_in_place(self, feeds: dict, cache: BufferKVCache, new: int) -> np.ndarray:
@@ -233,6 +245,8 @@ class OnnxLM:
         for name, value in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
         binding.bind_output(self.spec.logits, "cpu")
+        if self.spec.guess:
+            binding.bind_output(self.spec.guess, "cpu")
         values = cache.ort_values()
         for i, (k_name, v_name) in enumerate(self.spec.past):
             binding.bind_ortvalue_input(k_name, values[2 * i])
@@ -242,7 +256,10 @@ class OnnxLM:
             binding.bind_ortvalue_output(v_name, values[2 * i + 1])
         started = time.perf_counter()
         self.session.run_with_iobinding(binding)
-        logits = binding.get_outputs()[0].numpy()
+        outputs = binding.get_outputs()
+        logits = outputs[0].numpy()
+        if self.spec.guess:
+            self.guess = outputs[1].numpy()
         self.seconds += time.perf_counter() - started
         self.calls += 1
         cache.advance(new)

@@ -1,4 +1,5 @@
-"""Assistant-style text sampled from the bundle's own model: the lookup table's second corpus.
+"""Assistant-style text sampled from the bundle's own model: the lookup table's second corpus,
+and the text the target's guess head is trained on (export/guess_head.py).
 
 Prompt lookup's static next-token table (ngram_table.py) guesses the token after the last one or
 two when the text has nothing to copy. Built from the Python standard library alone, its guesses

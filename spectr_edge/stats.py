@@ -21,6 +21,8 @@ class GenerationStats:
     lookup_tries: int = 0            # of those, steps whose copied candidates formed a trie of several branches
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    guess_steps: int = 0             # lookup steps whose draft was the target's guess-head token (one token)
+    guess_accepted: int = 0
     scored: int = 0                  # tokens the target scored in speculative steps (rows x (L+1), or trie nodes)
     cost_units: float = 0.0          # predicted decode-phase cost, in target decode steps: the cost curve for
                                      # every target call after the prefill, the draft cost for every draft call
@@ -92,7 +94,9 @@ class GenerationStats:
                 lines.append(f"prompt lookup: {self.lookup_steps} of the steps, accepted {self.lookup_accepted}/"
                              f"{self.lookup_drafted} copied tokens"
                              + (f", {self.lookup_tries} steps verified several candidates as one trie"
-                                if self.lookup_tries else ""))
+                                if self.lookup_tries else "")
+                             + (f"; the target's guess head drafted {self.guess_steps} of them, accepted "
+                                f"{self.guess_accepted}" if self.guess_steps else ""))
         else:
             lines.append("target only (no draft)")
         lines.append(f"calls: target {self.target_calls}, draft {self.draft_calls}; time: target "

@@ -106,7 +106,7 @@ def encode(bundle: Path, text: str) -> list[int]:
 def test_manifest_matches_format_and_graph(name, request):
     bundle = request.getfixturevalue(name)
     m = manifest(bundle)
-    assert set(m) == TOP_KEYS and m["format"] == "spectr-edge-bundle" and m["format_version"] == 1
+    assert set(m) - {"guess_head"} == TOP_KEYS and m["format"] == "spectr-edge-bundle" and m["format_version"] == 1
     tok = m["tokenizer"]
     assert set(tok) == TOKENIZER_KEYS
     from tokenizers import Tokenizer
@@ -147,7 +147,7 @@ def test_manifest_matches_format_and_graph(name, request):
         else:                # tiny-llama, exported with tree_mask=False and logits_keep=False
             assert "logits_keep" not in e["inputs"]
             assert ins == [e["inputs"]["input_ids"], e["inputs"]["attention_mask"], e["inputs"]["position_ids"]] + past
-        assert outs == [e["outputs"]["logits"]] + present
+        assert outs == [e["outputs"]["logits"]] + present + [e["outputs"][k] for k in ("guess",) if k in e["outputs"]]
         assert len(e["inputs"]["past"]) == e["num_layers"] and past[0] == "past_key_values.0.key"
         kv_shape = next(i for i in sess.get_inputs() if i.name == past[0]).shape
         assert kv_shape[1] == e["num_kv_heads"] == 2 and kv_shape[3] == e["head_dim"] == 16
@@ -226,10 +226,16 @@ def test_quantized_target_runs(tmp_path, onnx_dir, quant, block):
     import onnx
 
     lines = []
+    auto_head = (quant, block) == ("int4", None)     # the others skip the guess head's ~30 s
     out = export_bundle(tmp_path / "b", target=str(onnx_dir), target_quant=quant, log=lines.append,
-                        lookup_conversation_tokens=0,
+                        lookup_conversation_tokens=0, guess_head=None if auto_head else False,
                         **({"int4_block_size": block} if block else {}))
     e = manifest(out)["models"]["target"]
+    if auto_head:   # quantized targets get the guess head by default (export/guess_head.py)
+        assert e["outputs"]["guess"] == "guess_ids" and manifest(out)["guess_head"]["heldout_agreement"] > 0.3
+        assert any(ln.startswith("[") and "guess head" in ln for ln in lines), lines
+    else:
+        assert "guess" not in e["outputs"] and "guess_head" not in manifest(out)
     if quant == "int4":
         assert (e["quant_block_size"], e["quant_symmetric"], e["min_call_tokens"], e["call_token_multiple"]) \
             == (block or 128, False, 2, 2)
@@ -259,7 +265,7 @@ def test_quantized_target_runs(tmp_path, onnx_dir, quant, block):
         assert any(n.name.endswith("/Smooth") for n in graph.node)     # calibrated smoothing
         return
     assert "MatMulNBits" in ops and "DynamicQuantizeLinear" not in ops   # int8 too: row-local activations
-    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits" and not n.name.startswith("/guess_head/")]
     assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {4 if quant == "int4" else 8}
     assert {a.i for n in nbits for a in n.attribute if a.name == "block_size"} == {block or 128}
     assert all(len(n.input) >= 4 and n.input[3] for n in nbits)    # zero points

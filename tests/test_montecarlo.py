@@ -155,6 +155,8 @@ class Draws:
     lookup_steps: int = 0         # steps that verified a prompt-lookup draft
     undrafted: int = 0            # steps the adaptive length rule decoded plainly
     lookup_tries: int = 0         # lookup steps that verified several candidates as one trie
+    guess_steps: int = 0          # lookup steps whose draft was the target's guess-head token
+    guess_accepted: int = 0
 
 
 def draw(gen, cfg: Config) -> Draws:
@@ -176,10 +178,12 @@ def draw(gen, cfg: Config) -> Draws:
         s = res.stats
         totals.update(accepted=s.accepted, drafted=s.drafted, target_calls=s.target_calls,
                       draft_calls=s.draft_calls, scored=s.scored, steps=s.steps, lookup_steps=s.lookup_steps,
-                      undrafted=s.undrafted, lookup_tries=s.lookup_tries)
+                      undrafted=s.undrafted, lookup_tries=s.lookup_tries, guess_steps=s.guess_steps,
+                      guess_accepted=s.guess_accepted)
     return Draws(counts, cfg.draws, totals["accepted"], totals["drafted"], totals["target_calls"],
                  totals["draft_calls"], time.perf_counter() - started, totals["scored"], totals["steps"],
-                 totals["lookup_steps"], totals["undrafted"], totals["lookup_tries"])
+                 totals["lookup_steps"], totals["undrafted"], totals["lookup_tries"], totals["guess_steps"],
+                 totals["guess_accepted"])
 
 
 def check_law(draws: Draws, laws: dict[str, dict]) -> list[str]:
@@ -485,6 +489,38 @@ def test_prompt_lookup_output_law_equals_target(bundle, gen, cfg):
     else:
         assert draws.draft_calls > 0                                   # and the model drafted when it found nothing
     assert_engine_follows_target(bundle, gen, cfg, draws)
+
+
+@pytest.fixture(scope="module")
+def guess_gen(tmp_path_factory):
+    """The same toy target and draft, the target graph also outputting a guess-head stand-in."""
+    import spectr_edge
+
+    path = build_toy_bundle(tmp_path_factory.mktemp("toy_guess"), seed_target=11, seed_draft=12, guess=True)
+    return spectr_edge.load(path, provider="cpu", threads=1)
+
+
+@pytest.mark.parametrize("cfg", [Config(1, 4, 1.0, prompt=LONG_PROMPT, seed=37, drafter="lookup"),
+                                 Config(1, 3, 0.7, top_k=3, prompt=SHORT_PROMPT, seed=38, drafter="lookup")], ids=str)
+def test_guess_head_drafts_keep_the_target_law(bundle, guess_gen, cfg):
+    """Prompt lookup on a target with a guess head (export/guess_head.py): the head's token is the
+    draft whenever the text has no match that is expected to pay more; the law stays the target's.
+    The law compared is the toy target's, which the guess output does not change."""
+    draws = draw(guess_gen, cfg)
+    assert draws.guess_steps > draws.n // 4, draws.guess_steps              # the guess really drafted
+    assert 0 < draws.guess_accepted < draws.guess_steps, draws.guess_accepted
+    assert_engine_follows_target(bundle, guess_gen, cfg, draws)
+
+
+def test_negative_control_guess_accepted_outright(bundle, guess_gen, monkeypatch):
+    """Accepting the guess outright (instead of w.p. q(x)) is detected by the same test."""
+    from spectr_edge import selection
+
+    monkeypatch.setattr(selection, "deterministic_select", lambda candidate, target_probs, rng: (int(candidate), True))
+    cfg = Config(1, 3, 0.7, top_k=3, prompt=SHORT_PROMPT, draws=NEGATIVE_DRAWS, seed=39, drafter="lookup")
+    draws = draw(guess_gen, cfg)
+    assert draws.guess_steps > 0
+    assert_law_rejected(bundle, cfg, draws)
 
 
 def test_negative_control_lookup_accepting_every_copy(bundle, gen, monkeypatch):

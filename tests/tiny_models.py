@@ -217,7 +217,8 @@ def build_tiny_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
 
 
 def build_tiny_qwen_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
-    """tiny-qwen: 3-layer Qwen2 target (tied, logits width 512 > 400 ids) + 2-layer int8 draft.
+    """tiny-qwen: 3-layer Qwen2 target (tied, logits width 512 > 400 ids) + 2-layer int8 draft, and
+    the target's guess head.
 
     int8, not int4: block-32 int4 on 64-wide random matrices moves logits by ~1 unit and the
     draft then agrees with the target on under half the tokens (test_export covers int4).
@@ -228,8 +229,9 @@ def build_tiny_qwen_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
     target = make_qwen(work / "qwen", tok)
     draft = make_draft(target, work / "qwen-draft", num_layers=2)
     # the lookup table gets conversation sampled from the tiny draft (self_text.py), as a real export does
+    # and the float32 target gets the guess head that exports give quantized targets (export/guess_head.py)
     return export_bundle(out, target=str(target), draft=str(draft), draft_quant="int8",
-                         lookup_conversation_tokens=TINY_CONVERSATION_TOKENS, log=log)
+                         lookup_conversation_tokens=TINY_CONVERSATION_TOKENS, guess_head=True, log=log)
 
 
 def source_key(*extra: str) -> str:

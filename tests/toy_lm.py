@@ -220,8 +220,11 @@ def _layer_names(l: int) -> tuple[str, str, str, str]:
             f"present.{l}.key", f"present.{l}.value")
 
 
-def build_graph(params: ToyParams, name: str) -> onnx.ModelProto:
-    """The toy model as an ONNX graph with optimum-export I/O (see module docstring)."""
+def build_graph(params: ToyParams, name: str, guess: bool = False) -> onnx.ModelProto:
+    """The toy model as an ONNX graph with optimum-export I/O (see module docstring).
+
+    guess: also output guess_ids # [batch, new] int64, a guess-head stand-in (export/guess_head.py):
+    each row's greedy token among the real ids, i.e. "the token after the next repeats it"."""
     D, W = params.head_dim, params.logits_width
     nodes, inits = [], []
 
@@ -274,10 +277,16 @@ def build_graph(params: ToyParams, name: str) -> onnx.ModelProto:
         logits = node("Add", [logits, out], "logits" if l == params.num_layers - 1 else f"logits_{l + 1}")
 
     f32, i64t = TensorProto.FLOAT, TensorProto.INT64
+    if guess:
+        real = node("Slice", ["logits", const("guess_starts", i64([0])), const("guess_ends", i64([params.vocab_size])),
+                              const("guess_axes", i64([2]))], "guess_real_logits")   # [b, s, V]
+        node("ArgMax", [real], "guess_ids", axis=-1, keepdims=0)                   # [b, s]
     inputs = [helper.make_tensor_value_info("input_ids", i64t, ["batch", "new"]),
               helper.make_tensor_value_info("attention_mask", i64t, ["batch", "total"]),
               helper.make_tensor_value_info("position_ids", i64t, ["batch", "new"])]
     outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "new", W])]
+    if guess:
+        outputs.append(helper.make_tensor_value_info("guess_ids", i64t, ["batch", "new"]))
     for l in range(params.num_layers):
         past_k, past_v, present_k, present_v = _layer_names(l)
         inputs += [helper.make_tensor_value_info(n, f32, ["batch", 1, "past", D]) for n in (past_k, past_v)]
@@ -324,11 +333,12 @@ def build_tokenizer(vocab_size: int):
 
 
 def build_toy_bundle(out_dir, *, seed_target: int, seed_draft: int, vocab_size: int = 5,
-                     draft_closeness: float = 0.85, tree_mask: bool = False) -> Path:
+                     draft_closeness: float = 0.85, tree_mask: bool = False, guess: bool = False) -> Path:
     """Write a complete bundle (target + draft graphs, tokenizer, spectr.json) to out_dir.
 
     tree_mask: both graphs go through export/tree_mask.py (the shared `allowed` mask becomes
     the 4D input tree_attention_mask), so the engine verifies k > 1 candidates as a token trie.
+    guess: the target graph also outputs guess_ids (build_graph), declared in the manifest.
     """
     out = Path(out_dir)
     target, draft = make_params(seed_target, seed_draft, vocab_size, draft_closeness)
@@ -341,7 +351,8 @@ def build_toy_bundle(out_dir, *, seed_target: int, seed_draft: int, vocab_size: 
 
     def model_entry(role: str, params: ToyParams) -> dict:
         (out / role).mkdir(exist_ok=True)
-        graph = build_graph(params, f"toy_{role}")
+        with_guess = guess and role == "target"
+        graph = build_graph(params, f"toy_{role}", guess=with_guess)
         still_has_mask = True
         if tree_mask:
             from export.tree_mask import add_tree_mask
@@ -367,7 +378,7 @@ def build_toy_bundle(out_dir, *, seed_target: int, seed_draft: int, vocab_size: 
             "context_length": CONTEXT_LENGTH,
             "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask" if still_has_mask else None,
                        "position_ids": "position_ids", "past": past},
-            "outputs": {"logits": "logits", "present": present},
+            "outputs": {"logits": "logits", "present": present, **({"guess": "guess_ids"} if with_guess else {})},
             "tree_mask": "tree_attention_mask" if tree_mask else False,
             "parity_max_abs_diff": None,
             "size_bytes": (out / role / "model.onnx").stat().st_size,

@@ -1,0 +1,129 @@
+"""The target's guess head (export/guess_head.py): its graph, its training on a real export, and
+its use as prompt lookup's one-token draft (exact greedy; the Monte Carlo law test is in
+test_montecarlo.py::test_guess_head_drafts_keep_the_target_law)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+pytest.importorskip("torch")
+
+from export import guess_head  # noqa: E402
+
+PROMPTS = ["def fibonacci(n):\n    if n < 2:", "The quick brown fox jumps over", "Hello, world! How are you?",
+           "class Stack:\n    def push(self, item):"]
+
+
+def _run_head(model, feeds: dict) -> np.ndarray:
+    import onnxruntime as ort
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    return sess.run([guess_head.GUESS_OUTPUT], {k: v for k, v in feeds.items() if k in names})[0]
+
+
+@pytest.mark.parametrize("follow_chosen", [False, True])
+def test_head_graph_computes_the_formula(follow_chosen):
+    """guess_ids = ids[argmax((h + SiLU(h A + Emb[x] B + a)) E + c)] per row, x the row's argmax among
+    the real ids (without B: no Emb[x] term); the 8-bit graph agrees with it on nearly every row."""
+    rng = np.random.default_rng(0)
+    d, v, vocab, width = 128, 40, 300, 320
+    params = {"A": rng.normal(0, 0.1, (d, d)).astype(np.float32), "a": rng.normal(0, 0.1, d).astype(np.float32),
+              "E": rng.normal(0, 1, (d, v)).astype(np.float32), "c": rng.normal(0, 1, v).astype(np.float32),
+              "ids": rng.permutation(vocab)[:v].astype(np.int64)}
+    h = rng.normal(0, 1, (2, 50, d)).astype(np.float32)                      # [batch, rows, D]
+    logits = rng.normal(0, 1, (2, 50, width)).astype(np.float32)             # [batch, rows, W]
+    logits[..., vocab:] = 50.0                                                # padding columns never chosen
+    emb = rng.normal(0, 1, (vocab, d)).astype(np.float32)
+    pre = h @ params["A"] + params["a"]
+    if follow_chosen:
+        params.update(B=rng.normal(0, 0.1, (d, d)).astype(np.float32), vocab_size=vocab)
+        pre = pre + emb[logits[..., :vocab].argmax(-1)] @ params["B"]
+    want = params["ids"][np.argmax((h + pre / (1 + np.exp(-pre))) @ params["E"] + params["c"], axis=-1)]
+    feeds = {"hidden": h, "logits": logits, "embedding": emb}
+    exact = _run_head(guess_head.head_model(params, bits=0), feeds)
+    assert exact.shape == (2, 50) and exact.dtype == np.int64
+    np.testing.assert_array_equal(exact, want)
+    quantized = guess_head.head_model(params, bits=8)
+    assert [n.op_type for n in quantized.graph.node].count("MatMulNBits") == 2 + follow_chosen
+    assert np.mean(_run_head(quantized, feeds) == want) >= 0.9
+
+
+def test_exported_bundle_has_a_trained_head(tiny_qwen_bundle):
+    """The export trained a head on conversation from the tiny draft; it beats the table's kind of
+    guess by far on held-out text (the tiny models are near-deterministic, so it can learn them)."""
+    from spectr_edge.bundle import read_bundle
+
+    b = read_bundle(tiny_qwen_bundle)
+    assert b.target.guess == guess_head.GUESS_OUTPUT
+    entry = b.manifest["guess_head"]
+    assert entry["train_positions"] > 1000 and entry["heldout_positions"] > 100
+    assert entry["heldout_agreement"] > 0.3, entry
+    graph = onnx.load(str(b.target.file), load_external_data=False).graph
+    assert sum(o.name == guess_head.GUESS_OUTPUT for o in graph.output) == 1
+    assert [n.op_type for n in graph.node if n.name.startswith(guess_head.PREFIX)].count("MatMulNBits") == 3
+
+
+def test_lookup_with_guess_head_is_exact_greedy_and_uses_the_right_row(tiny_qwen_bundle, monkeypatch):
+    """Greedy --draft lookup on the head's bundle equals target-only decoding token for token, the
+    head drafted on many steps, and each guess it drafted is what the target graph guesses after a
+    fresh prefill of the same text (a guess read from the wrong row of a call would differ)."""
+    import spectr_edge
+    from spectr_edge import lookup
+    from spectr_edge.onnx_model import OnnxLM
+
+    seen: list[tuple[list[int], int]] = []
+    original = lookup.PromptLookup.propose
+
+    def spy(self, ids, limit, guess=None):
+        draft, key = original(self, ids, limit, guess)
+        if key == lookup.GUESS and draft:
+            seen.append((list(ids), int(guess)))
+        return draft, key
+
+    monkeypatch.setattr(lookup.PromptLookup, "propose", spy)
+    gen = spectr_edge.load(tiny_qwen_bundle, provider="cpu", threads=1)
+    steps = accepted = 0
+    for prompt in PROMPTS:
+        ids = gen.codec.tokenizer.encode(prompt).ids
+        plain = gen.generate_ids(ids, max_new_tokens=40, num_candidates=0)
+        res = gen.generate_ids(ids, max_new_tokens=40, drafter="lookup", num_candidates=1)
+        assert res.token_ids == plain.token_ids, prompt
+        steps += res.stats.guess_steps
+        accepted += res.stats.guess_accepted
+    assert steps >= 20 and 0 < accepted, (steps, accepted)
+    assert len(seen) == steps
+    target = OnnxLM(gen.engine.target.spec, provider="cpu", threads=1)
+    for ids, guess in seen:
+        target.forward(np.asarray([ids[:-1]], dtype=np.int64), target.new_cache(), last=1)
+        assert int(target.guess[0, -1]) == guess, (len(ids), guess)
+
+
+def test_add_guess_head_replaces_the_head_in_place(tiny_bundle, tmp_path):
+    """`spectr-edge export --add-guess-head` on an existing bundle: one head (the old one replaced),
+    the manifest records it, `info` reports it; a second run leaves one head too."""
+    out = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, out)
+    cli = [sys.executable, "-m", "spectr_edge.cli"]
+    for _ in range(2):
+        res = subprocess.run(cli + ["export", "--add-guess-head", "--out", str(out)], capture_output=True,
+                             text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "held-out" in res.stdout
+        graph = onnx.load(str(out / "target" / "model.onnx"), load_external_data=False).graph
+        assert sum(o.name == guess_head.GUESS_OUTPUT for o in graph.output) == 1
+        assert sum(n.name.startswith(guess_head.PREFIX) for n in graph.node) == 14
+        entry = json.loads((out / "spectr.json").read_text())["models"]["target"]
+        assert entry["outputs"]["guess"] == guess_head.GUESS_OUTPUT
+        assert entry["size_bytes"] == sum(f.stat().st_size for f in (out / "target").glob("model.onnx*"))
+    info = subprocess.run(cli + ["info", "--bundle", str(out)], capture_output=True, text=True, timeout=120)
+    assert "guess head: the target guesses" in info.stdout, info.stdout
+    bad = subprocess.run(cli + ["export", "--add-guess-head", "--out", str(tmp_path / "none")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "bundle" in bad.stderr
