@@ -350,8 +350,13 @@ def add_guess_head_to_bundle(bundle, log=print, tokens: int = HEAD_TOKENS, threa
     from spectr_edge.self_text import sample_conversations
     from spectr_edge.text import TextCodec
 
+    import importlib.util
+
     from .writer import existing_manifest
 
+    if importlib.util.find_spec("torch") is None:     # before minutes of sampling, not after
+        raise ExportError("training a guess head needs the export extra (torch is missing): "
+                          "pip install torch==2.13.0 && pip install -e '.[export]'")
     bundle = Path(bundle)
     manifest = existing_manifest(bundle)
     b = bundle_from_manifest(bundle, manifest)

@@ -270,7 +270,6 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
         read_bundle(out)                           # a clear error for a missing or corrupt bundle
         try:
             from export.guess_head import add_guess_head_to_bundle
-            import torch  # noqa: F401
         except ImportError as err:
             _fail(f"--add-guess-head needs the export extra ({err.name or err} is missing): "
                   "pip install torch==2.13.0 && pip install -e '.[export]'")
