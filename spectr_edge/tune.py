@@ -2,8 +2,9 @@
 
 What is measured (ONNX Runtime sessions as `generate` opens them, same provider and threads):
   * the target's verification cost curve: one call scoring n new tokens in one row after a
-    CONTEXT-token past, n in SIZES, median of `repeats` calls after a warm-up call per n, relative
-    to n = 1 (a decode step);
+    CONTEXT-token past, n in SIZES, median of `repeats` calls after a warm-up call per n (the
+    sizes take turns, round by round, so a slow spell hits all alike), relative to n = 1 (a
+    decode step);
   * the draft's decode step (one token after the same past), relative to the target's.
 They go into spectr.json as models.target.cost_curve ([[n, relative cost], ...]) and
 models.draft.decode_cost, plus a "tuning" record (date, provider, threads, milliseconds). The
@@ -60,20 +61,27 @@ RACE_FINALISTS = 4
 CONTEXT = 128          # past tokens before the timed calls: a short chat prompt
 
 
-def _time_calls(model, cache_len: int, n: int, repeats: int, vocab: int, rng) -> float:
-    """Median seconds of one forward of n tokens after a cache_len-token past."""
+def _time_calls(model, cache_len: int, sizes, repeats: int, vocab: int, rng) -> dict[int, float]:
+    """Median seconds of one forward of n tokens after a cache_len-token past, for each n in sizes.
+
+    The sizes take turns: round r times one call of every size (reversed order on odd rounds), so
+    a slow spell of the machine (another job, the disk writing back) lands on a round of every
+    size alike, where the median over rounds drops it, instead of on every call of one size (the
+    size-by-size schedule once measured a 1-token int4 call at 167 ms against 45 ms for 2 tokens,
+    which made every longer call look free). Round 0 is the warm-up of every shape."""
     cache = model.new_cache()
     model.forward(rng.integers(0, vocab, (1, cache_len)).astype(np.int64), cache)   # the past
-    times = []
-    for i in range(repeats + 1):
-        ids = rng.integers(0, vocab, (1, n)).astype(np.int64)
-        started = time.perf_counter()
-        model.forward(ids, cache)
-        elapsed = time.perf_counter() - started
-        cache.crop(cache_len)
-        if i:                      # the first call of each shape is a warm-up
-            times.append(elapsed)
-    return statistics.median(times)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(repeats + 1):
+        for n in (sizes if r % 2 == 0 else sizes[::-1]):
+            ids = rng.integers(0, vocab, (1, n)).astype(np.int64)
+            started = time.perf_counter()
+            model.forward(ids, cache)
+            elapsed = time.perf_counter() - started
+            cache.crop(cache_len)
+            if r:
+                times[n].append(elapsed)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def monotone_fit(values) -> np.ndarray:
@@ -96,15 +104,14 @@ def measure(gen, sizes=SIZES, repeats: int = 5, progress=print) -> dict:
     past = min(CONTEXT, gen.engine.context_length - max(sizes) - 1)   # tiny test models have tiny contexts
     if past < 1:
         raise ValueError(f"the context ({gen.engine.context_length} tokens) is too short to tune")
-    ms = {}
+    ms = {n: 1000 * t for n, t in _time_calls(gen.target, past, tuple(sizes), repeats, vocab, rng).items()}
     for n in sizes:
-        ms[n] = 1000 * _time_calls(gen.target, past, n, repeats, vocab, rng)
         progress(f"target, {n:2d} tokens in one call: {ms[n]:8.1f} ms  ({ms[n] / ms[sizes[0]]:.2f}x a decode step)")
     # scoring more tokens never costs less: below-1 or falling ratios are timing noise (tiny models)
     ratios = monotone_fit(np.maximum([ms[n] / ms[sizes[0]] for n in sizes], 1.0))
     out = {"past": past, "target_ms": ms, "cost_curve": [[n, round(float(r), 4)] for n, r in zip(sizes, ratios)]}
     if gen.draft is not None:
-        d = 1000 * _time_calls(gen.draft, past, 1, repeats, vocab, rng)
+        d = 1000 * _time_calls(gen.draft, past, (1,), repeats, vocab, rng)[1]
         out.update(draft_ms=d, decode_cost=round(d / ms[sizes[0]], 4))
         progress(f"draft decode step: {d:.1f} ms ({d / ms[sizes[0]]:.3f}x the target's)")
         rows = {1: d}
