@@ -234,3 +234,23 @@ def test_lookup_table_missing_or_corrupt(toy_dir, tmp_path):
     bundle = _edited_copy(toy_dir, tmp_path / "bad_entry", lambda m: m.update(lookup_table="yes"))
     with pytest.raises(BundleError, match="lookup_table is malformed"):
         spectr_edge.load(bundle, provider="cpu")
+
+
+def test_top_ids_is_the_stable_top_k_and_leaves_the_logits_alone():
+    """engine.top_ids (the draft tree's branching and greedy side leaves): the ids of argsort(-x,
+    stable)[:k] per row, ties to the lower id, for rows with ties, -inf entries and a row that is
+    all -inf; the input comes back bit-identical, and a read-only input works."""
+    from spectr_edge.engine import top_ids
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(-4, 5, (6, 50)).astype(np.float32)           # many ties
+    x[1, ::3] = -np.inf
+    x[2] = -np.inf
+    before = x.copy()
+    for k in (1, 4, 9):
+        got = top_ids(x, k)
+        want = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+        assert got.shape == (6, k) and np.array_equal(got[[0, 1, 3, 4, 5]], want[[0, 1, 3, 4, 5]]), k
+        assert np.array_equal(x, before)
+    x.flags.writeable = False
+    assert top_ids(x[0], 3).tolist() == np.argsort(-before[0], kind="stable")[:3].tolist()
