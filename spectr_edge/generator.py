@@ -222,8 +222,10 @@ class Generator:
         _check(isinstance(tree_budget, int) and tree_budget >= 0,
                f"tree_budget must be an integer >= 0 (got {tree_budget}); 0 turns the dynamic tree off")
         if tree_budget:
-            _check(self.draft is not None and drafter in (None, "model") and num_candidates != 0,
-                   "the dynamic draft tree (tree_budget) drafts with the draft model; drop --draft lookup/--no-draft")
+            # model+lookup: a copied draft when the text has a match, else the draft model's tree
+            _check(self.draft is not None and drafter in (None, "model", "model+lookup") and num_candidates != 0,
+                   "the dynamic draft tree (tree_budget) drafts with the draft model; use --draft model or "
+                   "model+lookup, not --draft lookup/--no-draft")
             _check(self.target.takes_tree and self.draft.takes_tree,
                    "the dynamic draft tree needs a bundle whose graphs take a tree mask; run "
                    "spectr-edge export --add-tree-mask --out BUNDLE")

@@ -395,6 +395,8 @@ def test_tree_greedy_equals_target_only(tree_gen):
 SEQUOIA_CONFIGS = [
     Config(1, 3, 1.0, seed=24, tree_budget=6),
     Config(1, 2, 0.7, top_k=3, top_p=0.9, prompt=LONG_PROMPT, seed=25, tree_budget=5),
+    # prompt lookup's copied draft when the text matches, else a Sequoia tree (--draft model+lookup --tree-budget)
+    Config(1, 3, 1.0, prompt=LONG_PROMPT, seed=40, tree_budget=6, drafter="model+lookup"),
 ]
 
 
@@ -402,6 +404,8 @@ SEQUOIA_CONFIGS = [
 def test_sequoia_tree_output_law_equals_target(tree_bundle, tree_gen, cfg):
     draws = draw(tree_gen, cfg)
     assert draws.scored > draws.steps * (cfg.draft_len + 1)          # wider than one chain: siblings were drawn
+    if cfg.drafter == "model+lookup":
+        assert draws.lookup_steps > draws.n // 10, draws.lookup_steps  # copied drafts between the trees (2,171 of 15,000)
     assert_engine_follows_target(tree_bundle, tree_gen, cfg, draws)
 
 
@@ -423,10 +427,10 @@ def test_dynamic_tree_greedy_equals_target_only(tree_gen):
     for trial in range(10):
         prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(1, 6)))]
         plain = tree_gen.generate_ids(prompt, max_new_tokens=16, temperature=0.0, num_candidates=0).token_ids
-        for budget, depth in ((4, 3), (8, 4), (3, 6)):
+        for budget, depth, drafter in ((4, 3, None), (8, 4, None), (3, 6, None), (6, 4, "model+lookup")):
             res = tree_gen.generate_ids(prompt, max_new_tokens=16, temperature=0.0, tree_budget=budget,
-                                        draft_len=depth)
-            assert res.token_ids == plain, (prompt, budget, depth)
+                                        draft_len=depth, drafter=drafter)
+            assert res.token_ids == plain, (prompt, budget, depth, drafter)
             accepted += res.stats.accepted
             branched += res.stats.scored > res.stats.steps * (depth + 1)      # more nodes than one chain
             assert res.stats.scored <= res.stats.steps * (budget + 1)          # never more than the budget
