@@ -12,6 +12,7 @@
     .venv/bin/python bench/run.py --suite w8a8                            # the same + w8a8, llama.cpp Q4, ORT GenAI int4
     .venv/bin/python bench/run.py --suite guess                           # int4 with and without the guess head, 48 prompts
     .venv/bin/python bench/run.py --suite trees                           # issue 5: draft trees, tuned defaults
+    .venv/bin/python bench/run.py --suite issue5                          # issue 5 float32: chain vs trees, T=0 and T=1
     .venv/bin/python bench/run.py --suite length                          # float32: model+lookup drafts of 6, 8, 10 tokens
     .venv/bin/python bench/run.py --suite prefill                         # LM head on the last position vs all (TTFT)
 
@@ -254,6 +255,16 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
         return out + [peer("llama.cpp", "llamacpp", "Q4 target-only", 0.0)]
     if name == "trees":     # issue 5: draft trees and the tuned defaults, greedy and T=1 (tune both bundles first)
         return trees_suite(other_bundle)
+    if name == "issue5":    # issue 5's table on one machine: the float32 default chain against draft trees
+        # (lookup before them) and the chain with side leaves, greedy; SpecTr k = 2 and Sequoia trees against
+        # the best k = 1 lengths at T=1 (tree bundles: one batch-1 call per step)
+        ml = lambda label, **c: {**spectr(0.0, 1, 6, label=f"model+lookup {label}"),  # noqa: E731
+                                 "config": {"temperature": 0.0, "drafter": "model+lookup", "k": 1, "L": 6, **c}}
+        return [spectr(0.0, 0), spectr_default(0.0), ml("OPT-Tree 8 nodes depth<=6", stop=0.0, tree=8),
+                ml("OPT-Tree 12 nodes depth<=6", stop=0.0, tree=12),
+                ml("k=2 L=6 stop 0.5 (side leaves)", k=2, stop=0.5),
+                spectr(1.0, 0), spectr_default(1.0), spectr(1.0, 1, 4), spectr(1.0, 2, 3),
+                tree_method(1.0, 8, 4), tree_method(1.0, 12, 5)]
     if name == "window":    # issue 6, float32 target: lookup before the model, and the draft's context window
         return [spectr(0.0, 0), model_lookup(6, window=64), model_lookup(6, window=0)]
     if name == "length":    # issue 5, float32 target: longer model+lookup drafts now that the draft is cheaper
@@ -264,7 +275,7 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
         out += precision_rows(other_bundle or INT4_BUNDLE, "int4 target")
         return out + precision_rows(INT4_FULL_LOGITS, "int4 target, full logits")
     raise SystemExit(f"error: unknown suite {name!r}; use issue3, default, tree, peers, adaptive, cpu, int4-calls, "
-                     "int4-wide, quant-wide, precisions, w8a8, guess, trees, window, length or prefill")
+                     "int4-wide, quant-wide, precisions, w8a8, guess, trees, issue5, window, length or prefill")
 
 
 def tree_method(temperature: float, budget: int, depth: int) -> dict:
@@ -503,7 +514,7 @@ def main(argv=None) -> None:
     subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1", "peers": "stratified-1",
                                "adaptive": "stratified-1", "cpu": "stratified-2", "window": "stratified-2",
                                "int4-calls": "stratified-2", "length": "stratified-2",
-                               "trees": "stratified-1", "int4-wide": "stratified-8", "quant-wide": "stratified-8",
+                               "trees": "stratified-1", "issue5": "stratified-2", "int4-wide": "stratified-8", "quant-wide": "stratified-8",
                                "precisions": "stratified-2", "w8a8": "stratified-2", "prefill": "stratified-2",
                                "guess": "stratified-8"}.get(
         args.suite, "stratified-4")
