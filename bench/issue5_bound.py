@@ -25,10 +25,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from spectr_edge.engine import SEQUOIA_RANK_ACCEPTANCE, SequoiaShape  # noqa: E402
+from spectr_edge.policy import CostCurve  # noqa: E402
 
 
 def decode_ms(row: dict) -> float:
@@ -73,16 +73,13 @@ def from_bundle(bundle: Path, flat: bool = False) -> None:
     tuning = json.loads((bundle / "spectr.json").read_text()).get("tuning")
     if not tuning or "target_ms" not in tuning:
         sys.exit(f"error: {bundle} holds no measured cost curve; run spectr-edge tune --no-choose --bundle {bundle}")
-    sizes = sorted(int(n) for n in tuning["target_ms"])
-    ms = [tuning["target_ms"][str(n)] for n in sizes]
-    slope = (ms[-1] - ms[-2]) / (sizes[-1] - sizes[-2])          # beyond the measured sizes: linear
+    measured = CostCurve(tuning["target_ms"].items())            # decode = 1, linear beyond the last size
+    one_token_ms, last = tuning["target_ms"]["1"], int(measured.n[-1])
 
     def cost(n: int) -> float:                                     # one call scoring n tokens, decode = 1
-        if flat:
-            return 1.0
-        return float(np.interp(n, sizes, ms) if n <= sizes[-1] else ms[-1] + slope * (n - sizes[-1])) / ms[0]
+        return 1.0 if flat else measured(n)
 
-    draft = tuning["draft_ms"] / ms[0]
+    draft = tuning["draft_ms"] / one_token_ms
 
     def rows(r: int) -> float:     # a draft call over r rows, in single-row calls (measured 2: 1.09, 4: 1.6-1.9)
         return 1.0 if r <= 1 or flat else 1 + 0.2 * (r - 1)
@@ -92,9 +89,9 @@ def from_bundle(bundle: Path, flat: bool = False) -> None:
         print(f"{bundle}: a flat cost curve (any call = one decode, draft rows free: a GPU's regime); "
               f"draft call {draft:.3f}")
     else:
-        print(f"{bundle}: cost curve (decode = 1, {ms[0]:.1f} ms) "
+        print(f"{bundle}: cost curve (decode = 1, {one_token_ms:.1f} ms) "
               + ", ".join(f"{n}: {cost(n):.2f}" for n in (2, 4, 8, 12, 16, 32, 64))
-              + f" (beyond {sizes[-1]}: extrapolated); draft call {draft:.3f}")
+              + f" (beyond {last}: extrapolated); draft call {draft:.3f}")
     print("| policy | E tokens/step | predicted speedup | drafting free | vs the best chain |")
     print("|---|---|---|---|---|")
     chains = []
