@@ -104,11 +104,8 @@ def from_bundle(bundle: Path, flat: bool = False) -> None:
     for budget in (4, 8, 12, 16, 24, 32, 48, 64, 128):
         best = None
         for depth in range(2, 11):
-            shape = SequoiaShape(budget, depth)
-            value = [1.0] + [0.0] * (len(shape.depth) - 1)
-            for (parent, rank), node in sorted(shape._child.items(), key=lambda kv: kv[1]):
-                value[node] = value[parent] * accept[rank]
-            tokens = sum(value)
+            shape = SequoiaShape(budget, depth, accept)
+            tokens = sum(shape.value)
             calls = sum(rows(sum(1 for i, d in enumerate(shape.depth) if d == level and shape.children[i]))
                         for level in range(depth))
             speed = tokens / (cost(budget + 1) + calls * draft)

@@ -537,17 +537,19 @@ class SequoiaShape:
     node's value is the product of its path's rank acceptances, and the best tree of n nodes is
     the n highest-valued nodes of the infinite tree (values fall along every path and sibling
     rank, so that set is a tree: the dynamic program of Sequoia, solved greedily).
-    children[s] = how many children shape node s has; child(s, r) = its rank-r child."""
+    children[s] = how many children shape node s has; child(s, r) = its rank-r child; value[s] = the
+    chance s is accepted under `accept` (the root's 1.0 included, sum(value) = expected tokens per step)."""
 
     def __init__(self, budget: int, max_depth: int, accept=SEQUOIA_RANK_ACCEPTANCE):
         import heapq
 
-        self.children, self.depth, self._child = [0], [0], {}
+        self.children, self.depth, self.value, self._child = [0], [0], [1.0], {}
         heap = [(-accept[0], 0, 0)]                    # (-value, parent, rank)
         while heap and len(self.depth) - 1 < budget:
             neg, parent, rank = heapq.heappop(heap)
             node = len(self.depth)
             self.depth.append(self.depth[parent] + 1)
+            self.value.append(-neg)
             self.children.append(0)
             self.children[parent] += 1
             self._child[(parent, rank)] = node

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 
-from spectr_edge.engine import TokenTrie
+from spectr_edge.engine import SequoiaShape, TokenTrie
 from spectr_edge.kv_cache import KVCache
 
 
@@ -151,3 +151,11 @@ def test_new_exports_take_a_tree_mask(tiny_qwen_bundle):
     manifest = json.loads((tiny_qwen_bundle / "spectr.json").read_text())
     assert all(m["tree_mask"] == "tree_attention_mask" for m in manifest["models"].values())
     assert spectr_edge.load(tiny_qwen_bundle, provider="cpu").target.takes_tree
+
+
+def test_sequoia_shape_keeps_the_highest_valued_nodes():
+    # values: root's first child 0.5, its first child 0.25, the root's second child 0.2 (0.1 and deeper left out)
+    shape = SequoiaShape(3, 2, accept=(0.5, 0.2))
+    assert shape.depth == [0, 1, 2, 1] and shape.children == [2, 1, 0, 0]
+    assert shape.child(0, 0) == 1 and shape.child(1, 0) == 2 and shape.child(0, 1) == 3
+    assert shape.value == pytest.approx([1.0, 0.5, 0.25, 0.2])     # expected tokens per step: 1.95
