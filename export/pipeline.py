@@ -195,7 +195,14 @@ def _add_tree_mask(role: str, entry: dict, bundle: Path, progress: Progress, ids
     with progress.step(f"adding a tree mask to the {role} graph" + (" and fusing its attention" if fuse else "")):
         src = bundle / entry["file"]
         tmp = src.with_name(src.stem + ".tree.onnx")
-        new, checked = tree_mask.rewrite_checked(src, tmp, entry, ids[:32], fuse=fuse, log=progress.log)
+        try:
+            new, checked = tree_mask.rewrite_checked(src, tmp, entry, ids[:32], fuse=fuse, log=progress.log)
+        except ExportError as err:
+            # e.g. a ready ONNX graph whose attention is already fused (no Softmax to find the mask by)
+            tmp.unlink(missing_ok=True)
+            progress.log(f"      no tree mask for the {role} graph ({err}): exported as with --no-tree-mask, "
+                         "so it verifies chains, not trees")
+            return entry
         os.replace(tmp, src)
         new["size_bytes"] = sum(f.stat().st_size for f in onnx_export.model_files(src))
         progress.log(f"      {checked}")

@@ -52,8 +52,8 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
-    except (ValueError, KeyError, RuntimeError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except Exception as e:   # a corrupt header fails anywhere in gguf's reader (IndexError, struct.error...)
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ExportError(f"transformers cannot load {gguf} ({first}); use a GGUF of a supported architecture "
                           "(llama, qwen2, ...) or a Hugging Face model directory") from None
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spectr_edge.bundle import first_vocab_difference, vocab_sha256  # shared with the load-time check
+from spectr_edge.chat_template import ChatTemplate
 from spectr_edge.errors import ExportError
 
 _PROBE = [{"role": "user", "content": "SPECTRUSERPROBE"}, {"role": "assistant", "content": "SPECTRASSTPROBE"}]
@@ -85,18 +86,9 @@ def _chat_template(d: Path, cfg: dict) -> str | None:
 
 
 def render_chat(template: str, messages: list[dict], add_generation_prompt: bool, **special) -> str:
-    """Render a HF chat template the way transformers does (sandboxed jinja2, trim/lstrip blocks)."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(msg):
-        raise jinja2.exceptions.TemplateError(msg)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+    """Render a HF chat template the way transformers does, in the runtime's own environment
+    (spectr_edge/chat_template.py), so a template export accepts is one the runtime can render."""
+    return ChatTemplate(template).render(messages, add_generation_prompt, **special)
 
 
 def _end_of_turn(rendered: str, specials: list[str]) -> str | None:

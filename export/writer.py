@@ -46,6 +46,9 @@ def staging(out: Path, overwrite: bool):
     out = Path(out).expanduser().absolute()
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; pass --overwrite (overwrite=True) or choose another directory")
+    if out.exists() and not replaceable(out):
+        raise ExportError(f"--overwrite replaces only a spectr-edge bundle, and {out} is not one (it holds other "
+                          "files and no bundle manifest); choose another --out, or move its files away yourself")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -68,6 +71,22 @@ def staging(out: Path, overwrite: bool):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replaceable(out: Path) -> bool:
+    """Whether --overwrite may replace `out`: an empty directory, or a spectr-edge bundle (its
+    spectr.json says so) that is not the current directory or one holding it."""
+    if out.is_symlink() or not out.is_dir():
+        return False
+    if Path.cwd().resolve().is_relative_to(out.resolve()):
+        return False
+    if not any(out.iterdir()):
+        return True
+    try:
+        manifest = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == "spectr-edge-bundle"
 
 
 def write_manifest(bundle: Path, manifest: dict) -> None:

@@ -105,44 +105,140 @@ def _inside(bundle: Path, rel: str, what: str) -> Path:
     return path
 
 
-def _require(d: dict, key: str, where: str):
-    if key not in d:
-        raise BundleError(f"spectr.json has no '{key}' in {where}; the bundle is corrupt, re-export it")
-    return d[key]
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+               dict: "an object", list: "a list"}
 
 
-def _model_spec(bundle: Path, role: str, m: dict) -> ModelSpec:
-    where = f"models.{role}"
-    model_file = _inside(bundle, _require(m, "file", where), f"{where}.file")
+class _Fields:
+    """Typed reads of one JSON object of the manifest: the manifest's one schema, checked field by
+    field where it is read. Every error names the field (models.target.num_layers), what it holds
+    and what it should hold, and the fix."""
+
+    def __init__(self, obj, where: str):
+        if not isinstance(obj, dict):
+            raise self._error(where, obj, "an object")
+        self.obj, self.where = obj, where
+
+    @staticmethod
+    def _error(where: str, value, expected: str) -> BundleError:
+        held = "missing" if value is _MISSING else f"{_describe(value)}"
+        return BundleError(f"spectr.json field {where} is {held}; expected {expected}; "
+                           "the bundle is corrupt, re-export it")
+
+    def _get(self, key: str, required: bool):
+        value = self.obj.get(key, _MISSING)
+        if value is _MISSING and required:
+            raise self._error(f"{self.where}.{key}", value, "a value")
+        return value
+
+    def get(self, key: str, kind: type, required: bool = True, default=None, minimum: int | None = None,
+            nullable: bool = False):
+        """The field `key` of type `kind` (bool is never an int here); `default` when absent (or null
+        and nullable)."""
+        value = self._get(key, required)
+        if value is _MISSING or (value is None and (nullable or not required)):
+            return default
+        ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            ok, value = True, float(value)
+        if ok and minimum is not None and value < minimum:
+            ok = False
+        if not ok:
+            expected = _TYPE_NAMES.get(kind, kind.__name__) + (f" >= {minimum}" if minimum is not None else "")
+            raise self._error(f"{self.where}.{key}", value, expected + (" or null" if nullable else ""))
+        return value
+
+    def sub(self, key: str, required: bool = True) -> "_Fields | None":
+        value = self._get(key, required)
+        if value is _MISSING or (value is None and not required):
+            return None
+        return _Fields(value, f"{self.where}.{key}")
+
+    def name(self, key: str, required: bool = True) -> str | None:
+        """A graph input/output name: a non-empty string."""
+        value = self.get(key, str, required=required, nullable=not required)
+        if value is not None and not value:
+            raise self._error(f"{self.where}.{key}", value, "the name of one of the graph's inputs or outputs")
+        return value
+
+    def name_pairs(self, key: str) -> tuple[tuple[str, str], ...]:
+        """Per layer (key name, value name)."""
+        value = self.get(key, list)
+        if not value or not all(isinstance(kv, list) and len(kv) == 2 and all(isinstance(n, str) and n for n in kv)
+                                for kv in value):
+            raise self._error(f"{self.where}.{key}", value, "a list of [key name, value name] pairs, one per layer")
+        return tuple((k, v) for k, v in value)
+
+    def int_list(self, key: str) -> tuple[int, ...]:
+        value = self.get(key, list, required=False, default=[])
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+            raise self._error(f"{self.where}.{key}", value, "a list of token ids")
+        return tuple(value)
+
+
+_MISSING = object()
+
+
+def _describe(value) -> str:
+    text = json.dumps(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    kind = "null" if value is None else _TYPE_NAMES.get(type(value), type(value).__name__)
+    return text if value is None else f"{text[:40]} ({kind})"
+
+
+def _model_spec(bundle: Path, role: str, f: _Fields) -> ModelSpec:
+    where = f.where
+    model_file = _inside(bundle, f.get("file", str), f"{where}.file")
     if not model_file.is_file():
         raise BundleError(f"the {role} model file {model_file} is missing; re-export the bundle")
-    inputs, outputs = _require(m, "inputs", where), _require(m, "outputs", where)
-    tok = m.get("tokenizer_file")
-    try:
-        return ModelSpec(
-            role=role, file=model_file,
-            tokenizer_file=_inside(bundle, tok, f"{where}.tokenizer_file") if tok else None,
-            vocab_sha256=m.get("vocab_sha256"), quant=m.get("quant", "none"),
-            dtype=m.get("dtype", "float32"), num_layers=int(_require(m, "num_layers", where)),
-            num_kv_heads=int(_require(m, "num_kv_heads", where)), head_dim=int(_require(m, "head_dim", where)),
-            logits_width=int(_require(m, "logits_width", where)),
-            context_length=int(_require(m, "context_length", where)),
-            input_ids=_require(inputs, "input_ids", f"{where}.inputs"),
-            attention_mask=inputs.get("attention_mask") if m.get("tree_mask") else
-            _require(inputs, "attention_mask", f"{where}.inputs"),
-            position_ids=inputs.get("position_ids"),
-            past=tuple((k, v) for k, v in _require(inputs, "past", f"{where}.inputs")),
-            logits=_require(outputs, "logits", f"{where}.outputs"),
-            present=tuple((k, v) for k, v in _require(outputs, "present", f"{where}.outputs")),
-            tree_mask=_tree_mask(m.get("tree_mask"), where), source=str(m.get("source", "")),
-            size_bytes=m.get("size_bytes"), attention=_attention(m.get("attention"), m.get("tree_mask"), where),
-            min_call_tokens=int(m.get("min_call_tokens", 1)),
-            call_multiple=max(1, int(m.get("call_token_multiple", 1))),
-            logits_keep=_input_name(inputs.get("logits_keep"), f"{where}.inputs.logits_keep"),
-            guess=_input_name(outputs.get("guess"), f"{where}.outputs.guess"),
-        )
-    except (TypeError, ValueError) as err:
-        raise BundleError(f"spectr.json entry {where} is malformed ({err}); re-export the bundle") from None
+    inputs, outputs = f.sub("inputs"), f.sub("outputs")
+    tok = f.get("tokenizer_file", str, required=False)
+    tree_mask = _tree_mask(f.obj.get("tree_mask"), where)
+    spec = ModelSpec(
+        role=role, file=model_file,
+        tokenizer_file=_inside(bundle, tok, f"{where}.tokenizer_file") if tok else None,
+        vocab_sha256=f.get("vocab_sha256", str, required=False),
+        quant=_choice(f, "quant", ("none", "int8", "int4", "w8a8"), "none"),
+        dtype=_choice(f, "dtype", ("float32", "float16"), "float32"),
+        num_layers=f.get("num_layers", int, minimum=1), num_kv_heads=f.get("num_kv_heads", int, minimum=1),
+        head_dim=f.get("head_dim", int, minimum=1), logits_width=f.get("logits_width", int, minimum=1),
+        context_length=f.get("context_length", int, minimum=2),
+        input_ids=inputs.name("input_ids"),
+        attention_mask=inputs.name("attention_mask", required=not tree_mask),
+        position_ids=inputs.name("position_ids", required=False),
+        past=inputs.name_pairs("past"), logits=outputs.name("logits"), present=outputs.name_pairs("present"),
+        tree_mask=tree_mask, source=str(f.obj.get("source", "")),
+        size_bytes=f.get("size_bytes", int, required=False, minimum=0),
+        attention=_attention(f.obj.get("attention"), tree_mask, where),
+        min_call_tokens=f.get("min_call_tokens", int, required=False, default=1, minimum=1),
+        call_multiple=f.get("call_token_multiple", int, required=False, default=1, minimum=1),
+        logits_keep=inputs.name("logits_keep", required=False),
+        guess=outputs.name("guess", required=False),
+    )
+    if len(spec.past) != spec.num_layers or len(spec.present) != spec.num_layers:
+        raise BundleError(f"spectr.json {where} declares {spec.num_layers} layers but {len(spec.past)} past and "
+                          f"{len(spec.present)} present pairs; the bundle is corrupt, re-export it")
+    _check_file_sizes(bundle, role, f, model_file)
+    return spec
+
+
+def _choice(f: _Fields, key: str, allowed: tuple[str, ...], default: str) -> str:
+    value = f.get(key, str, required=False, default=default)
+    if value not in allowed:
+        raise f._error(f"{f.where}.{key}", value, "one of " + ", ".join(allowed))
+    return value
+
+
+def _check_file_sizes(bundle: Path, role: str, f: _Fields, model_file: Path) -> None:
+    """The model's directory holds at least `size_bytes` (the graph and its external weights, as
+    the export recorded them): a truncated copy fails here, before ONNX Runtime reads it."""
+    expected = f.get("size_bytes", int, required=False)
+    if expected is None:
+        return
+    files = [p for p in model_file.parent.iterdir() if p.is_file() and p.suffix not in (".json", ".txt")]
+    found = sum(p.stat().st_size for p in files)
+    if found < expected:
+        raise BundleError(f"the {role} model's files in {model_file.parent} hold {found} bytes but spectr.json "
+                          f"records {expected}: a file is truncated or missing; re-export the bundle")
 
 
 def _attention(value, tree_mask, where: str) -> str:
@@ -151,15 +247,6 @@ def _attention(value, tree_mask, where: str) -> str:
     if value != "gqa" or not tree_mask:
         raise BundleError(f"spectr.json {where}.attention is {value!r}; expected 'unfused', or 'gqa' on a graph "
                           "with a tree mask (re-export the bundle)")
-    return value
-
-
-def _input_name(value, where: str) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise BundleError(f"spectr.json {where} is {value!r}; expected the name of one of the graph's inputs or outputs, "
-                          "re-export the bundle")
     return value
 
 
@@ -186,16 +273,21 @@ def _lookup_table(bundle: Path, manifest: dict) -> Path | None:
     return path
 
 
-def _tokenizer_spec(bundle: Path, t: dict) -> TokenizerSpec:
-    tok_file = _inside(bundle, _require(t, "file", "tokenizer"), "tokenizer.file")
+def _tokenizer_spec(bundle: Path, f: _Fields) -> TokenizerSpec:
+    tok_file = _inside(bundle, f.get("file", str), "tokenizer.file")
     if not tok_file.is_file():
         raise BundleError(f"the tokenizer file {tok_file} is missing; re-export the bundle")
+    special = f.get("special_tokens", dict, required=False, default={})
+    if not all(isinstance(v, str) or v is None for v in special.values()):
+        raise f._error("tokenizer.special_tokens", special, "an object of token strings")
     return TokenizerSpec(
-        file=tok_file, vocab_size=int(_require(t, "vocab_size", "tokenizer")),
-        vocab_sha256=t.get("vocab_sha256"), bos_token_id=t.get("bos_token_id"),
-        add_bos_token=bool(t.get("add_bos_token", False)),
-        eos_token_ids=tuple(int(i) for i in t.get("eos_token_ids", [])),
-        chat_template=t.get("chat_template"), special_tokens=dict(t.get("special_tokens") or {}),
+        file=tok_file, vocab_size=f.get("vocab_size", int, minimum=1),
+        vocab_sha256=f.get("vocab_sha256", str, required=False),
+        bos_token_id=f.get("bos_token_id", int, required=False, minimum=0, nullable=True),
+        add_bos_token=f.get("add_bos_token", bool, required=False, default=False),
+        eos_token_ids=f.int_list("eos_token_ids"),
+        chat_template=f.get("chat_template", str, required=False, nullable=True) or None,
+        special_tokens=dict(special),
     )
 
 
@@ -262,11 +354,30 @@ def read_bundle(path: str | os.PathLike | None = None) -> Bundle:
 def bundle_from_manifest(bundle: Path, manifest: dict) -> Bundle:
     """The Bundle that `manifest` describes for the files in `bundle` (read_bundle's checks after the JSON)."""
     bundle = Path(bundle)
-    models = _require(manifest, "models", "the manifest")
-    target = _model_spec(bundle, "target", _require(models, "target", "models"))
-    draft = _model_spec(bundle, "draft", models["draft"]) if models.get("draft") else None
+    top = _Fields(manifest, "(top level)")
+    models = top.sub("models")
+    models.where = "models"
+    target = _model_spec(bundle, "target", models.sub("target"))
+    draft_fields = models.sub("draft", required=False)
+    draft = _model_spec(bundle, "draft", draft_fields) if draft_fields is not None and draft_fields.obj else None
+    tokenizer = top.sub("tokenizer")
+    tokenizer.where = "tokenizer"
     b = Bundle(path=bundle, name=str(manifest.get("name", bundle.name)),
-               tokenizer=_tokenizer_spec(bundle, _require(manifest, "tokenizer", "the manifest")),
+               tokenizer=_tokenizer_spec(bundle, tokenizer),
                target=target, draft=draft, manifest=manifest, lookup_table=_lookup_table(bundle, manifest))
     _check_shared_vocabulary(b)
     return b
+
+
+def check_tokenizer(spec: TokenizerSpec, vocab: dict[str, int]) -> None:
+    """The bundle's tokenizer.json is the one its models were exported with: the manifest's
+    vocabulary fingerprint and size. A tokenizer copied from another model would otherwise turn
+    every generation into fluent-looking nonsense."""
+    if spec.vocab_sha256 and vocab_sha256(vocab) != spec.vocab_sha256:
+        raise BundleError(f"the tokenizer {spec.file} does not match the bundle's models (its vocabulary "
+                          "fingerprint differs from spectr.json's tokenizer.vocab_sha256); restore the "
+                          "exported tokenizer.json or re-export the bundle")
+    size = max(vocab.values(), default=-1) + 1
+    if size < spec.vocab_size:
+        raise BundleError(f"the tokenizer {spec.file} has {size} ids but spectr.json says {spec.vocab_size}; "
+                          "restore the exported tokenizer.json or re-export the bundle")

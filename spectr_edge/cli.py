@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -29,6 +30,16 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("\ninterrupted", err=True)
             sys.exit(130)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as err:
+            # not the user's doing: one line unless SPECTR_EDGE_DEBUG asks for the traceback
+            if os.environ.get("SPECTR_EDGE_DEBUG"):
+                raise
+            first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+            click.echo(f"internal error: {type(err).__name__}: {first} (a bug in spectr-edge; "
+                       "SPECTR_EDGE_DEBUG=1 shows the traceback)", err=True)
+            sys.exit(1)
 
 
 @click.group(cls=_Group)
@@ -79,7 +90,8 @@ def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, ch
     from .generator import GenerationResult
 
     if prompt == "-":
-        prompt = sys.stdin.read()
+        # bytes, decoded as the shell would pass them: text that is not UTF-8 gets a clear error later
+        prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
     if no_draft:
         if drafter:
             raise click.UsageError(f"--no-draft and --draft {drafter} contradict each other; pick one")

@@ -13,12 +13,13 @@ class BundleError(SpectrError):
     """Missing, corrupt or inconsistent bundle."""
 
 
-class ProviderError(SpectrError):
+class ProviderError(SpectrError, ValueError):
     """Unknown or unavailable execution provider."""
 
 
-class InputError(SpectrError):
-    """Bad generation input: prompt, sampling or speculation parameters."""
+class InputError(SpectrError, ValueError):
+    """Bad generation input: prompt, sampling or speculation parameters (a ValueError too, so
+    code that catches ValueError for bad arguments catches it)."""
 
 
 class ExportError(SpectrError):

@@ -14,6 +14,7 @@ import numpy as np
 
 from .bundle import Bundle, read_bundle
 from .engine import DecodeRequest, Engine
+from . import options as check
 from .errors import BundleError, InputError
 from .policy import CostCurve, default_draft_cost
 from .onnx_model import OnnxLM
@@ -40,6 +41,8 @@ DEFAULT_LOOKUP_LEN = 8        # llama.cpp / HF copy 10 tokens; the cost rule in 
 # long-answer RAG prompt 64 tokens drafted as well as the whole prompt. Copying a long input
 # (summaries) is prompt lookup's job (bench/RESULTS.md section 000).
 DEFAULT_DRAFT_WINDOW = 64
+# bounds of one step: a step never drafts more tokens, rows or tree nodes than these
+MAX_DRAFT_LEN, MAX_CANDIDATES, MAX_TREE = 128, 64, 1024
 
 
 @dataclass
@@ -85,6 +88,7 @@ class Generator:
 
     def __init__(self, bundle: Bundle, provider: str = "auto", draft_provider: str | None = None,
                  threads: int | None = None, load_draft: bool = True):
+        threads = check.threads(threads)
         self.bundle = bundle
         self.codec = TextCodec(bundle.tokenizer)
         self.target = OnnxLM(bundle.target, provider, threads)
@@ -137,7 +141,7 @@ class Generator:
                      draft_window: int | None = None) -> GenerationResult:
         """Generate from raw token ids (no chat template, no stop strings); text is decoded for convenience."""
         result = GenerationResult("", [])
-        prompt_ids = [int(i) for i in prompt_ids]
+        prompt_ids = check.token_ids(prompt_ids, self.bundle.tokenizer.vocab_size)
         for tokens in self._run(prompt_ids, result.stats, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rng=rng,
                                 num_candidates=num_candidates, draft_len=draft_len, draft_stop=draft_stop,
@@ -152,7 +156,9 @@ class Generator:
                 stop: tuple[str, ...] | list[str] = (), **options) -> Iterator[str]:
         if not isinstance(prompt, str):
             raise InputError("the prompt must be a string; use generate_ids for token ids")
-        text = TextStream(self.codec, tuple(stop))
+        if chat is not None:
+            check.flag(chat, "chat")
+        text = TextStream(self.codec, check.stop_strings(stop))
         steps = self._run(self.codec.encode_prompt(prompt, chat), result.stats, **options)
         try:
             for tokens in steps:
@@ -166,6 +172,7 @@ class Generator:
             steps.close()   # settles the timing stats even when a stop string ended it early
         if text.stopped:
             result.stats.stop_reason = "stop"
+            result.token_ids[:] = text.kept_ids()    # the stop string's tokens are not part of the output
         piece = text.flush()
         result.text = text.text
         if piece:
@@ -175,12 +182,19 @@ class Generator:
                  num_candidates, draft_len, draft_stop, drafter=None, adaptive=None,
                  tree_budget=None, draft_window=None) -> DecodeRequest:
         _check(len(prompt_ids) > 0, "the prompt is empty; pass at least one token")
-        _check(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
-               f"max_new_tokens must be an integer >= 1 (got {max_new_tokens})")
-        _check(math.isfinite(temperature) and temperature >= 0,
-               f"temperature must be >= 0 (got {temperature}); use 0 for greedy decoding")
-        _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an integer >= 0 (got {top_k}); 0 turns it off")
-        _check(0 < top_p <= 1, f"top_p must be in (0, 1] (got {top_p}); 1 turns it off")
+        max_new_tokens = check.count(max_new_tokens, "max_new_tokens", 1)
+        temperature = check.number(temperature, "temperature", minimum=0, fix="use 0 for greedy decoding")
+        top_k = check.count(top_k, "top_k", 0, "0 turns it off")
+        top_p = check.number(top_p, "top_p", above=0, maximum=1, fix="1 turns it off")
+        num_candidates = None if num_candidates is None else check.count(
+            num_candidates, "num_candidates", 0, "0 decodes with the target only", maximum=MAX_CANDIDATES)
+        draft_len = None if draft_len is None else check.count(draft_len, "draft_len", 1, maximum=MAX_DRAFT_LEN)
+        draft_stop = None if draft_stop is None else check.number(draft_stop, "draft_stop", minimum=0, fix="0 turns it off")
+        tree_budget = None if tree_budget is None else check.count(tree_budget, "tree_budget", 0,
+                                                                    "0 turns the dynamic tree off", maximum=MAX_TREE)
+        draft_window = None if draft_window is None else check.count(
+            draft_window, "draft_window", 0, "0 lets the draft read the whole prompt")
+        adaptive = None if adaptive is None else check.flag(adaptive, "adaptive")
         default_k, default_len, default_stop = DEFAULT_GREEDY if temperature == 0 else DEFAULT_SAMPLING
         _check(drafter is None or drafter in DRAFTERS,
                f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
@@ -260,7 +274,7 @@ class Generator:
              tree_budget=None, draft_window=None) -> Iterator[list[int]]:
         req = self._request(prompt_ids, max_new_tokens, temperature, top_k, top_p, num_candidates, draft_len,
                             draft_stop, drafter, adaptive, tree_budget, draft_window)
-        rng = rng if rng is not None else np.random.default_rng(seed)
+        rng = rng if rng is not None else np.random.default_rng(check.seed(seed))
         stats.prompt_tokens = len(prompt_ids)
         models = [m for m in (self.target, self.draft) if m is not None]
         before = [m.seconds for m in models]

@@ -201,7 +201,15 @@ class OnnxLM:
         cache.replace([(outputs[1 + 2 * i], outputs[2 + 2 * i]) for i in range(spec.num_layers)])
         if spec.guess:
             self.guess = outputs[-1]
-        return outputs[0]
+        return self._checked(outputs[0])
+
+    def _checked(self, logits: np.ndarray) -> np.ndarray:
+        """The call's logits, refused when any is NaN or +inf (max propagates both; one pass): corrupt
+        weights would otherwise decode as garbage, or fail deep inside sampling."""
+        if logits.size and not np.isfinite(logits.max()):
+            raise BundleError(f"the {self.spec.role} model {self.spec.file.name} computed non-finite logits (NaN or "
+                              "inf): its weights are likely corrupt; re-export the bundle")
+        return logits
 
     def _forward_padded(self, input_ids, cache, tree, depth, pad: int, past_mask=None,
                         last: int | None = None) -> np.ndarray:
@@ -263,4 +271,4 @@ class OnnxLM:
         self.seconds += time.perf_counter() - started
         self.calls += 1
         cache.advance(new)
-        return logits
+        return self._checked(logits)

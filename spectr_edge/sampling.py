@@ -59,7 +59,15 @@ def logits_to_probs(logits: np.ndarray, params: SamplingParams, vocab_size: int)
 
 def _row_probs(logits: np.ndarray, params: SamplingParams, out: np.ndarray) -> None:
     """[V] logits of real ids -> [V] float32 probs, written into out (in place: no temporaries)."""
-    np.divide(logits, np.float32(params.temperature), out=out)            # out: scaled logits
+    with np.errstate(over="ignore", divide="ignore"):
+        np.divide(logits, np.float32(params.temperature), out=out)        # out: scaled logits
+    if not np.isfinite(out.max()):
+        # a temperature so small that logits / T overflows float32 (or T underflows to 0): the same
+        # weights from the shifted logits in float64, which is exp(0) = 1 at the largest logit and
+        # 0 elsewhere for any such T: the limit T -> 0+, a draw among the argmax ties
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            shifted = (logits.astype(np.float64) - float(np.max(logits))) / params.temperature
+            np.copyto(out, np.maximum(shifted, -np.inf), casting="unsafe")
     top_k_on = 0 < params.top_k < out.size
     if top_k_on:
         np.putmask(out, out < _largest(out, params.top_k).min(), -np.inf)   # ties with the k-th kept

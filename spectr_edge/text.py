@@ -2,38 +2,53 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from tokenizers import Tokenizer
 
-from .bundle import TokenizerSpec
+from .bundle import TokenizerSpec, check_tokenizer
+from .chat_template import ChatTemplate, TemplateProblem
 from .errors import BundleError, InputError
 
 
-def _raise(message: str):
-    raise InputError(f"chat template error: {message}")
+def check_text(text, what: str = "the prompt") -> str:
+    """`text` as a str that is valid Unicode text: bytes that were not UTF-8 reach Python as lone
+    surrogates (sys.argv, surrogateescape), which a tokenizer cannot take."""
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be a string (got {type(text).__name__})")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raw = text[err.start].encode("utf-8", "surrogateescape")
+        raise InputError(f"{what} is not valid UTF-8 text (byte 0x{raw.hex()} at character {err.start}); "
+                         "pass UTF-8 text") from None
+    return text
 
 
 class TextCodec:
-    """The bundle's tokenizer plus its chat template."""
+    """The bundle's tokenizer plus its chat template (compiled when first used, so a bundle whose
+    template does not compile still serves raw prompts)."""
 
     def __init__(self, spec: TokenizerSpec):
         self.spec = spec
         try:
             self.tokenizer = Tokenizer.from_file(str(spec.file))
         except Exception as err:
-            raise BundleError(f"the tokenizer {spec.file} could not be read ({err}); re-export the bundle") from None
-        self._template = None
-        if spec.chat_template:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(spec.chat_template)
+            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            raise BundleError(f"the tokenizer {spec.file} could not be read ({first}); re-export the bundle") from None
+        check_tokenizer(spec, self.tokenizer.get_vocab(with_added_tokens=True))
+        self._template: ChatTemplate | None = None
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None
+        return bool(self.spec.chat_template)
+
+    def _chat_template(self) -> ChatTemplate:
+        if self._template is None:
+            try:
+                self._template = ChatTemplate(self.spec.chat_template)
+            except TemplateProblem as err:
+                raise BundleError(f"{err} (spectr.json tokenizer.chat_template); use --no-chat (chat=False) "
+                                  "or re-export the bundle") from None
+        return self._template
 
     def apply_chat_template(self, prompt: str) -> str:
         """The chat text of one user turn, ending where the assistant's answer starts."""
@@ -42,12 +57,16 @@ class TextCodec:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The chat template applied to `messages` ({"role", "content"} dicts)."""
         special = self.spec.special_tokens
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=special.get("bos_token") or "",
-                                     eos_token=special.get("eos_token") or "")
+        template = self._chat_template()
+        try:
+            return template.render(messages, add_generation_prompt, bos_token=special.get("bos_token") or "",
+                                   eos_token=special.get("eos_token") or "")
+        except TemplateProblem as err:
+            raise InputError(f"chat template error: {err}") from None
 
     def encode_prompt(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt; chat=None applies the chat template when the bundle has one."""
+        check_text(prompt)
         if not prompt:
             raise InputError("the prompt is empty; pass some text to generate from")
         use_chat = self.has_chat_template if chat is None else chat
@@ -102,6 +121,16 @@ class TextStream:
         piece = text[self.shown:max(safe_end, self.shown)]
         self.shown = max(safe_end, self.shown)
         return piece
+
+    def kept_ids(self) -> list[int]:
+        """The tokens behind `text`: all of them, or after a stop string the shortest prefix whose
+        decoded text still starts with `text` (the tokens up to the one in which the stop string
+        starts; when it starts on a token boundary, decode(kept_ids()) == text exactly)."""
+        n = len(self.ids)
+        if self.stopped:
+            while n > 0 and self.codec.decode(self.ids[:n - 1]).startswith(self.text):
+                n -= 1
+        return self.ids[:n]
 
     def flush(self) -> str:
         """At the end of generation: everything not shown yet (minus a stop string)."""

@@ -51,7 +51,7 @@ def test_generate_json_and_no_draft(toy_dir):
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--top-k", "-2"], "top_k must be an integer >= 0"),
     (["-n", "0"], "max_new_tokens must be an integer >= 1"),
-    (["-L", "0"], "draft_len must be an integer >= 1"),
+    (["-L", "0"], "draft_len must be an integer in [1, 128]"),
     (["-k", "-1"], "num-candidates"),
     (["--provider", "npu"], "npu"),
     (["--chat"], "no chat template"),

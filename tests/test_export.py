@@ -337,8 +337,11 @@ def test_existing_out_needs_overwrite(tmp_path, onnx_dir):
     with pytest.raises(ExportError, match="already exists; pass --overwrite"):
         export_bundle(out, target=str(onnx_dir), log=lambda s: None)
     assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()                       # an empty directory may be replaced
     export_bundle(out, target=str(onnx_dir), overwrite=True, lookup_conversation_tokens=0, log=lambda s: None)
-    assert (out / "spectr.json").exists() and not (out / "keep.txt").exists()
+    assert (out / "spectr.json").exists()
+    export_bundle(out, target=str(onnx_dir), overwrite=True, lookup_conversation_tokens=0, log=lambda s: None)
+    assert (out / "spectr.json").exists()             # and a bundle may be replaced by a bundle
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
 
 
@@ -554,3 +557,70 @@ def test_smollm2_conversation_table_predicts_the_target_better(smollm2_bundle, t
                 guess = table.guess(full[:i])
                 hits[name] += guess is not None and guess[0] == full[i]
     assert total >= 100 and hits["conversation"] > hits["library"], (hits, total)
+
+
+# ---- hostile input at export: nothing that is not a bundle is ever replaced ----------------------------
+
+def test_overwrite_refuses_a_directory_that_is_not_a_bundle(tmp_path, onnx_dir):
+    """`--overwrite` replaces a bundle (or an empty directory), never a directory of other files,
+    and never the current directory, through the command line as a user runs it."""
+    out = tmp_path / "d"
+    (out / "sub").mkdir(parents=True)
+    (out / "sub" / "notes.txt").write_text("x")
+    cmd = [sys.executable, "-m", "spectr_edge.cli", "export", "--target", str(onnx_dir), "--out"]
+    res = subprocess.run(cmd + [str(out), "--overwrite", "--lookup-conversation-tokens", "0"], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 2 and "replaces only a spectr-edge bundle" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and (out / "sub" / "notes.txt").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]           # no partial directory left beside it
+    res = subprocess.run(cmd + [".", "--overwrite"], capture_output=True, text=True, timeout=300, cwd=out)
+    assert res.returncode == 2 and "not one" in res.stderr, res.stderr
+    assert (out / "sub" / "notes.txt").read_text() == "x"
+
+
+def test_a_gguf_with_a_corrupt_header_is_one_line(tmp_path):
+    """GGUF magic bytes, then a header the reader cannot follow: the real converter, one line."""
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (10**6).to_bytes(8, "little") + bytes(40))
+    with pytest.raises(ExportError, match="transformers cannot load") as err:
+        export_bundle(tmp_path / "b", target=str(bad), log=lambda s: None)
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.gguf"]
+
+
+def test_a_graph_with_fused_attention_exports_without_a_tree_mask(tmp_path, onnx_dir):
+    """A ready ONNX model whose attention has no Softmax node (as ONNX Runtime's optimizer writes
+    them): the export goes on without a tree mask and says so in one line."""
+    import onnx
+    from onnx import helper
+
+    src = tmp_path / "fused"
+    shutil.copytree(onnx_dir, src)
+    model = onnx.load(str(src / "model.onnx"))
+    nodes = []
+    for node in model.graph.node:
+        if node.op_type != "Softmax":
+            nodes.append(node)
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+        x, y, n = node.input[0], node.output[0], node.name or y
+        axes = helper.make_tensor(f"{n}_axes", onnx.TensorProto.INT64, [1], [axis])
+        model.graph.initializer.append(axes)
+        nodes += [helper.make_node("ReduceMax", [x, f"{n}_axes"], [f"{n}_max"], keepdims=1),
+                  helper.make_node("Sub", [x, f"{n}_max"], [f"{n}_shift"]),
+                  helper.make_node("Exp", [f"{n}_shift"], [f"{n}_exp"]),
+                  helper.make_node("ReduceSum", [f"{n}_exp", f"{n}_axes"], [f"{n}_sum"], keepdims=1),
+                  helper.make_node("Div", [f"{n}_exp", f"{n}_sum"], [y])]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    assert not any(n.op_type == "Softmax" for n in model.graph.node)
+    onnx.save(model, str(src / "model.onnx"))
+    lines = []
+    out = export_bundle(tmp_path / "b", target=str(src), lookup_conversation_tokens=0, log=lines.append)
+    said = [line for line in lines if "no tree mask" in line]
+    assert len(said) == 1 and "no Softmax" in said[0], lines
+    assert manifest(out)["models"]["target"]["tree_mask"] is False
+    import spectr_edge
+
+    gen = spectr_edge.load(out, provider="cpu")
+    assert len(gen.generate_ids([1, 2, 3], max_new_tokens=4, num_candidates=0).token_ids) == 4
