@@ -1,6 +1,6 @@
 """Shared pieces of the benchmarks: Spec-Bench prompts, machine description, statistics.
 
-Spec-Bench (../shared/data/spec_bench_questions.jsonl) has 480 questions: MT-bench's 8
+Spec-Bench (bench/data/spec_bench_questions.jsonl) has 480 questions: MT-bench's 8
 categories x 10 (ids 81-160) and 80 each of translation, summarization, qa, math_reasoning
 and rag. Spec-Bench reports six tasks: the 8 MT-bench categories together as "mt_bench",
 then the five others; `task()` maps a category to its task.
@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPTS_FILE = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"
+PROMPTS_FILE = ROOT / "bench" / "data" / "spec_bench_questions.jsonl"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
