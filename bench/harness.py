@@ -65,6 +65,11 @@ def machine_info() -> dict:
         model = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                  if ln.startswith("model name")]
         info["cpu"] = model[0] if model else platform.processor()
+        flags = [ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("flags")]
+        wanted = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+                  "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+        info["cpu_flags"] = [f for f in wanted if flags and f in flags[0]]
         mem = [ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")]
         info["memory_gib"] = round(int(mem[0].split()[1]) / 2**20, 1) if mem else None
     except OSError:

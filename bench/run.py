@@ -265,6 +265,14 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
                 ml("k=2 L=6 stop 0.5 (side leaves)", k=2, stop=0.5),
                 spectr(1.0, 0), spectr_default(1.0), spectr(1.0, 1, 4), spectr(1.0, 2, 3),
                 tree_method(1.0, 8, 4), tree_method(1.0, 12, 5)]
+    if name == "policies":  # one row per decoding policy the engine has, float32 and int4 bundles: the
+        # defaults, SpecTr k = 2, an OPT-Tree and a Sequoia tree (with --checkout: each also run by another
+        # checkout of the code, for identical outputs and target calls, and speed side by side)
+        q = lambda m: {**on_bundle(m, other_bundle or str(INT4_BUNDLE), "int4 target"),  # noqa: E731
+                       "own_baseline": None if m["baseline"] else f"spectr-edge T={m['temperature']:g} target-only [int4 target]"}
+        return [spectr(0.0, 0), spectr_default(0.0), tree_method(0.0, 8, 6), spectr(1.0, 0), spectr_default(1.0),
+                spectr(1.0, 2, 3), tree_method(1.0, 8, 4),
+                q(spectr(0.0, 0)), q(spectr_default(0.0)), q(spectr(1.0, 0)), q(spectr_default(1.0))]
     if name == "window":    # issue 6, float32 target: lookup before the model, and the draft's context window
         return [spectr(0.0, 0), model_lookup(6, window=64), model_lookup(6, window=0)]
     if name == "length":    # issue 5, float32 target: longer model+lookup drafts now that the draft is cheaper
@@ -351,9 +359,24 @@ INT4_NOHEAD_BUNDLE = BENCH.parent / "models" / "default-int4-nohead"   # models/
 SETUP = {"llamacpp": "bash bench/peers/llamacpp_setup.sh", "ortgenai": "bash bench/peers/ortgenai_setup.sh"}
 
 
+def in_checkout(method: dict, checkout: str, tag: str) -> dict:
+    """The same spectr-edge method run by another checkout of the code (its worker and package)."""
+    bundle = method.get("bundle", "")
+    base = method["name"]
+    own = method.get("own_baseline")
+    return {**method, "name": f"{base} [{tag}]", "worker": f"spectr@{checkout}:{bundle}", "baseline": False,
+            "own_baseline": f"{own} [{tag}]" if own else (None if method["baseline"] else
+                                                          f"spectr-edge T={method['temperature']:g} target-only [{tag}]"),
+            "checkout": checkout}
+
+
 def worker_command(key: str, args) -> list[str]:
     tool, _, rest = key.partition(":")
     threads = ["--threads", str(args.threads)] if args.threads else []
+    if tool.startswith("spectr@"):     # another checkout: its own worker and package (PYTHONPATH below)
+        checkout = Path(tool.removeprefix("spectr@"))
+        return ["env", f"PYTHONPATH={checkout}", PY, str(checkout / "bench" / "workers" / "spectr_worker.py"),
+                "--bundle", rest or args.bundle] + threads
     if tool == "spectr":
         return [PY, str(BENCH / "workers" / "spectr_worker.py"), "--bundle", rest or args.bundle] + threads
     if tool == "hf":   # transformers lives in the project's [export] extra, i.e. this venv
@@ -374,7 +397,9 @@ def worker_command(key: str, args) -> list[str]:
 def missing_setup(key: str) -> str | None:
     """Why a peer worker cannot start (its environment or models are not set up), or None."""
     tool, _, rest = key.partition(":")
-    if tool == "spectr" and rest and not (Path(rest) / "spectr.json").exists():
+    if tool.startswith("spectr@") and not (Path(tool.removeprefix("spectr@")) / "spectr_edge").is_dir():
+        return f"{tool.removeprefix('spectr@')} is not a checkout of spectr-edge"
+    if tool.startswith("spectr") and rest and not (Path(rest) / "spectr.json").exists():
         if rest.endswith("-full-logits"):
             return (f"{rest} is missing; run `.venv/bin/python bench/full_logits_twin.py "
                     f"{rest.removesuffix('-full-logits')} {rest}`")
@@ -508,15 +533,22 @@ def main(argv=None) -> None:
                          "(default models/default-int4)")
     ap.add_argument("--all-configs", action="store_true", help="issue3: also the dominated k x L rows")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens: minutes, for development")
+    ap.add_argument("--checkout", default=None,
+                    help="another checkout of spectr-edge (e.g. a git worktree of an earlier commit): every "
+                         "spectr-edge method also runs under its code, tagged [other checkout], interleaved")
     ap.add_argument("--out", default=None, help="output folder (default bench/results/<date>-<name>)")
     args = ap.parse_args(argv)
     methods = suite(args.suite, args.all_configs, args.tree_bundle)
+    if args.checkout:
+        checkout = str(Path(args.checkout).resolve())
+        methods = [x for m in methods for x in ([m, in_checkout(m, checkout, "other checkout")]
+                                                 if m["tool"] == "spectr-edge" else [m])]
     subset = args.prompts or {"issue3": "first-20", "tree": "stratified-1", "peers": "stratified-1",
                                "adaptive": "stratified-1", "cpu": "stratified-2", "window": "stratified-2",
                                "int4-calls": "stratified-2", "length": "stratified-2",
                                "trees": "stratified-1", "issue5": "stratified-2", "int4-wide": "stratified-8", "quant-wide": "stratified-8",
                                "precisions": "stratified-2", "w8a8": "stratified-2", "prefill": "stratified-2",
-                               "guess": "stratified-8"}.get(
+                               "guess": "stratified-8", "policies": "stratified-1"}.get(
         args.suite, "stratified-4")
     if args.quick:
         subset, args.max_new_tokens = (args.prompts or "stratified-1"), 32
