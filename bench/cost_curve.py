@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine_info  # noqa: E402

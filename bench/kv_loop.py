@@ -22,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from export.tree_mask import _run  # noqa: E402
+from spectr_edge_export.tree_mask import _run  # noqa: E402
 
 
 def decode_ms(session, entry: dict, past_len: int, in_place: bool, steps: int = 20) -> float:

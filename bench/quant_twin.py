@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from export import onnx_export, quantize  # noqa: E402
+from spectr_edge_export import onnx_export, quantize  # noqa: E402
 from tree_twin import link_or_copy  # noqa: E402
 
 

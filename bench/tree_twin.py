@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from export.tree_mask import add_tree_mask_to_bundle  # noqa: E402
+from spectr_edge_export.tree_mask import add_tree_mask_to_bundle  # noqa: E402
 
 LINK_ABOVE = 64 * 2**20   # files larger than this are linked, not copied
 

@@ -237,8 +237,8 @@ def _check_file_sizes(bundle: Path, role: str, f: _Fields, model_file: Path) -> 
     files = [p for p in model_file.parent.iterdir() if p.is_file() and p.suffix not in (".json", ".txt")]
     found = sum(p.stat().st_size for p in files)
     if found < expected:
-        raise BundleError(f"the {role} model's files in {model_file.parent} hold {found} bytes but spectr.json "
-                          f"records {expected}: a file is truncated or missing; re-export the bundle")
+        raise BundleError(f"the {role} model {model_file} and its weights hold {found} bytes but spectr.json "
+                          f"records {expected}: a file is corrupt or truncated; re-export the bundle")
 
 
 def _attention(value, tree_mask, where: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -55,37 +56,44 @@ def main():
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
-@click.option("--seed", type=int, default=None, help="Random seed (sampling is reproducible with it).")
+@click.option("--seed", type=int, default=None, help="Random seed (sampling is reproducible with it; -1 = random).")
 @click.option("--chat/--no-chat", default=None, help="Apply the chat template [default: on if the bundle has one].")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); it is not printed.")
 @click.option("--provider", type=PROVIDERS, default="auto", show_default=True, help="Target execution provider.")
 @click.option("--draft-provider", type=PROVIDERS, default=None, help="Draft execution provider [default: --provider].")
 @click.option("--threads", type=int, default=None, help="Intra-op threads per session [default: ORT's choice].")
+@click.option("--draft", "drafter", type=click.Choice(["none", "model", "lookup", "model+lookup"]), default=None,
+              help="Drafter: the bundle's draft model, prompt lookup (copies from the prompt and the output; no "
+                   "draft model needed), lookup with the model when lookup finds nothing, or none (target only) "
+                   "[default: what tune chose, else model+lookup greedy, model sampling, lookup on int4/int8 targets].")
 @click.option("-k", "--num-candidates", type=int, default=None,
-              help="Draft candidates per step (SpecTr k; 1 = speculative sampling, 0 = target only; "
-                   "greedy with a tree bundle: branches per depth).")
-@click.option("-L", "--draft-len", type=int, default=None, help="Tokens drafted per candidate per step.")
+              help="SpecTr's k: continuations the draft model samples per step, verified together (1 = speculative "
+                   "sampling; 0 = target only; at temperature 0 they coincide).")
+@click.option("--branches", type=int, default=None,
+              help="Temperature 0, tree bundles: the draft's chain plus its next-best (N - 1) tokens at every depth "
+                   "as extra leaves.")
+@click.option("--lookup-candidates", type=int, default=None,
+              help="Prompt lookup: copied continuations verified together as one token trie (tree bundles).")
+@click.option("-L", "--draft-len", type=int, default=None,
+              help="Most tokens drafted per candidate per step (a draft tree's depth).")
 @click.option("--draft-stop", type=float, default=None,
-              help="Adaptive draft length: stop drafting when the draft's confidence in its token is below this "
-                   "(0 = off; lossless).")
-@click.option("--no-draft", is_flag=True, help="Target-only decoding (same as -k 0).")
-@click.option("--draft", "drafter", type=click.Choice(["model", "lookup", "model+lookup"]), default=None,
-              help="Drafter: the bundle's draft model [default], prompt lookup (copies from the prompt and the "
-                   "output; no draft model needed), or lookup with the model when lookup finds nothing.")
+              help="Stop drafting when the draft's confidence in its token is below this (0 = off; lossless).")
+@click.option("--no-draft", is_flag=True, help="Target-only decoding (same as --draft none).")
 @click.option("--adaptive/--fixed-length", default=None,
-              help="k=1: choose each step's draft length (0 = a plain step) from this generation's acceptance and "
-                   "the target's cost curve (lossless; `spectr-edge tune` measures the curve).")
+              help="Choose each step's draft length (0 = a plain step) from this generation's acceptance and the "
+                   "target's cost curve (lossless; `spectr-edge tune` measures the curve).")
 @click.option("--tree-budget", type=int, default=None,
-              help="Greedy: draft a tree of this many nodes (grown by draft path probability, depth <= -L) and "
-                   "verify it in one call (0 = off; needs tree masks).")
+              help="Draft a tree of this many nodes (greedy: OPT-Tree; sampling: Sequoia; depth <= -L) and verify "
+                   "it in one call (0 = off; tree bundles).")
 @click.option("--draft-window", type=int, default=None,
               help="The draft model reads at most this many of the prompt's latest tokens (0 = all) "
-                   "[default: 256, or what tune chose]; its prefill is the draft's largest cost on long prompts.")
+                   "[default: 64, or what tune chose]; its prefill is the draft's largest cost on long prompts.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print timing and speculation stats to stderr.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) instead of streaming.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) instead of "
+              "streaming; token_ids end with the token in which a stop string starts.")
 def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, chat, stop, provider,
-             draft_provider, threads, num_candidates, draft_len, draft_stop, no_draft, drafter, adaptive, tree_budget,
-             draft_window, show_stats, as_json):
+             draft_provider, threads, drafter, num_candidates, branches, lookup_candidates, draft_len, draft_stop,
+             no_draft, adaptive, tree_budget, draft_window, show_stats, as_json):
     """Generate a completion of PROMPT ('-' reads it from stdin)."""
     from .generator import GenerationResult
 
@@ -93,32 +101,27 @@ def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, ch
         # bytes, decoded as the shell would pass them: text that is not UTF-8 gets a clear error later
         prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
     if no_draft:
-        if drafter:
+        if drafter not in (None, "none"):
             raise click.UsageError(f"--no-draft and --draft {drafter} contradict each other; pick one")
-        num_candidates = 0
+        drafter = "none"
     if num_candidates is not None and num_candidates < 0:
         raise click.BadParameter("must be >= 0", param_hint="--num-candidates")
     from .bundle import read_bundle
-    from .generator import Generator, tuned_options
+    from .generator import Generator
 
     b = read_bundle(bundle)
-    given = (num_candidates, draft_len, draft_stop, drafter, adaptive, tree_budget)
-    tuned = tuned_options(b, temperature) if all(v is None for v in given) else {}
-    needs_draft = (num_candidates != 0 and drafter != "lookup"
-                   and not (tuned and (tuned.get("drafter") == "lookup" or tuned.get("num_candidates") == 0)))
-    gen = Generator(b, provider=provider, draft_provider=draft_provider, threads=threads, load_draft=needs_draft)
-    if num_candidates and num_candidates > 1 and temperature == 0:
-        if gen.target.takes_tree:
-            click.echo(f"note: at temperature 0 with a tree target, k={num_candidates} drafts one greedy chain "
-                       f"and adds the draft's next {num_candidates - 1} best tokens at every depth as leaves",
-                       err=True)
-        else:
-            click.echo("note: at temperature 0 the draft is deterministic, so the k candidates would be "
-                       "identical; drafting one (a bundle with tree masks uses k as branches per depth)", err=True)
+    policy = dict(drafter=drafter, num_candidates=num_candidates, branches=branches,
+                  lookup_candidates=lookup_candidates, draft_len=draft_len, draft_stop=draft_stop, adaptive=adaptive,
+                  tree_budget=tree_budget)
+    gen = Generator(b, provider=provider, draft_provider=draft_provider, threads=threads,
+                    load_draft=_needs_draft(b, temperature, policy))
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   seed=seed, chat=chat, stop=stop, num_candidates=num_candidates, draft_len=draft_len,
-                   draft_stop=draft_stop, drafter=drafter, adaptive=adaptive, tree_budget=tree_budget,
-                   draft_window=draft_window)
+                   draft_window=draft_window, **policy)
+    gen.options(**options)        # every option checked before anything is printed
+    if num_candidates and num_candidates > 1 and temperature == 0 and drafter != "lookup":
+        click.echo(f"note: at temperature 0 the draft's {num_candidates} candidates coincide, so one chain is "
+                   f"drafted; --branches {num_candidates} adds the draft's next-best tokens as leaves", err=True)
+    options.update(seed=seed, chat=chat, stop=stop)
     result = GenerationResult("", [])
     if as_json:
         result = gen.generate(prompt, **options)
@@ -131,6 +134,17 @@ def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, ch
         click.echo()
     if show_stats:
         click.echo(result.stats.summary(), err=True)
+
+
+def _needs_draft(b, temperature, policy: dict) -> bool:
+    """Whether a generation with these options would use the draft model (else it is not loaded)."""
+    from .options import tuned_options
+
+    if all(v is None for v in policy.values()):
+        tuned = tuned_options(b, temperature if isinstance(temperature, (int, float)) else 0.0)
+        if tuned.get("drafter") == "lookup" or tuned.get("num_candidates") == 0:
+            return False
+    return policy["drafter"] not in ("lookup", "none") and policy["num_candidates"] != 0
 
 
 def _size(path) -> str:
@@ -274,17 +288,23 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
 def export(target, draft, preset, out, target_quant, draft_quant, int4_block_size, overwrite, no_tree_mask,
            add_tree_mask, add_lookup_table, add_guess_head, guess_head, lookup_conversation_tokens):
     """Export a target (and draft) model into a bundle."""
+    onnx_sources = all(s is None or s == "self" or (Path(s).expanduser() / "model.onnx").is_file()
+                       for s in (target, draft)) and not preset
+    if add_guess_head:
+        _require_export_extra(["torch", "onnx"])
+    elif add_tree_mask:
+        _require_export_extra(["onnx"])
+    elif not add_lookup_table:
+        # an ONNX source needs no torch; everything else is converted by torch and transformers
+        _require_export_extra(["onnx", "onnx_ir"] if onnx_sources else
+                              ["torch", "transformers", "optimum.exporters.onnx", "onnx", "onnx_ir", "gguf"])
     if add_guess_head:
         if preset or target or add_tree_mask or add_lookup_table or guess_head is not None:
             raise click.UsageError("--add-guess-head upgrades the bundle at --out; give no --target, --preset, "
                                    "--add-tree-mask, --add-lookup-table or --[no-]guess-head")
         from .bundle import read_bundle
         read_bundle(out)                           # a clear error for a missing or corrupt bundle
-        try:
-            from export.guess_head import add_guess_head_to_bundle
-        except ImportError as err:
-            _fail(f"--add-guess-head needs the export extra ({err.name or err} is missing): "
-                  "pip install torch==2.13.0 && pip install -e '.[export]'")
+        from spectr_edge_export.guess_head import add_guess_head_to_bundle
         add_guess_head_to_bundle(out, log=click.echo)
         return
     if add_lookup_table:
@@ -299,21 +319,14 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
     if add_tree_mask:
         if preset or target:
             raise click.UsageError("--add-tree-mask upgrades the bundle at --out; give no --target or --preset")
-        try:
-            from export.tree_mask import add_tree_mask_to_bundle
-        except ImportError as err:
-            _fail(f"--add-tree-mask needs onnx ({err.name or err} is missing): pip install -e '.[export]'")
+        from spectr_edge_export.tree_mask import add_tree_mask_to_bundle
         changed = add_tree_mask_to_bundle(out, log=click.echo)
         click.echo(f"{out}: {', '.join(changed) or 'nothing'} upgraded (tree verification, fused attention, "
                    "logits of the needed positions only)")
         return
     if not (preset or target):
         raise click.UsageError("give --target SRC (and --draft SRC) or --preset NAME")
-    try:
-        import export as exporter
-    except ImportError as err:
-        _fail(f"export needs the export extra ({err.name or err} is missing): "
-              "pip install torch==2.13.0 && pip install -e '.[export]'")
+    import spectr_edge_export as exporter
     options = {k: v for k, v in dict(target_quant=target_quant, draft_quant=draft_quant).items() if v}
     if int4_block_size:
         options["int4_block_size"] = int(int4_block_size)
@@ -321,6 +334,24 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
                                   tree_mask=not no_tree_mask, guess_head=guess_head,
                                   lookup_conversation_tokens=lookup_conversation_tokens, **options)
     click.echo(f"bundle written to {path}")
+
+
+def _require_export_extra(modules: list[str]) -> None:
+    """One line naming the extra to install when a module export needs is missing, before any work
+    (a preset would otherwise download its weights first)."""
+    import importlib.util
+
+    def found(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):          # a parent package is missing
+            return False
+
+    missing = [m.split(".")[0] for m in modules if not found(m)]
+    if missing:
+        _fail(f"spectr-edge export needs the export extra ({', '.join(dict.fromkeys(missing))} not installed): "
+              "pip install 'spectr-edge[export]' (with a CPU-only torch: pip install torch --index-url "
+              "https://download.pytorch.org/whl/cpu first)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""The one module that talks to ONNX Runtime: providers, session options, and a model's forward call.
+"""The one module that runs the bundle's models on ONNX Runtime: providers and their options,
+session options, and a model's forward call.
 
-A model is an exported causal LM with KV-cache I/O (names from the manifest, see docs/BUNDLE.md).
-`OnnxLM.forward` feeds new tokens after the cached past and replaces the cache with `present`.
+A model is an exported causal LM with KV-cache I/O (names from the manifest, docs/BUNDLE.md).
+`OnnxLM.forward` feeds new tokens after the cached past. Every call goes through I/O binding: the
+cache stays on the model's device (kv_cache.py, device.py) and only the logits (and the guess
+head's ids) are copied to the host, the same code for the CPU, CUDA and TensorRT.
 """
 
 from __future__ import annotations
@@ -9,11 +12,13 @@ from __future__ import annotations
 import ctypes
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from .bundle import ModelSpec
+from .device import device_for, onnxruntime
 from .errors import BundleError, ProviderError
 from .kv_cache import BufferKVCache, KVCache
 
@@ -21,7 +26,20 @@ PROVIDER_NAMES = ("auto", "cpu", "cuda", "tensorrt")
 _ORT = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
         "tensorrt": "TensorrtExecutionProvider"}
 _fallback_reported = False
+_dlls_preloaded = False
 LOGITS_KEEP = "logits_keep"    # the graph input export/logits_keep.py adds
+
+
+@dataclass(frozen=True)
+class TensorRTSettings:
+    """What a TensorRT user sets: where built engines are kept (the first build of a 1.5B model takes
+    minutes; later sessions load it in seconds), half precision, the builder's workspace, and the
+    largest call the shape profile covers (candidate rows x tokens per call)."""
+    engine_cache: str = str(Path.home() / ".cache" / "spectr-edge" / "tensorrt")
+    fp16: bool = True
+    workspace_gb: float = 4.0
+    max_rows: int = 8
+    max_call_tokens: int = 64
 
 
 def _gpu_driver_present() -> bool:
@@ -35,17 +53,32 @@ def _gpu_driver_present() -> bool:
     return False
 
 
+def _preload_gpu_libraries() -> None:
+    """Load the CUDA and cuDNN libraries of the `nvidia-*` Python packages before a GPU session
+    (onnxruntime-gpu >= 1.21 finds them itself this way; otherwise LD_LIBRARY_PATH must)."""
+    global _dlls_preloaded
+    ort = onnxruntime()
+    if not _dlls_preloaded and hasattr(ort, "preload_dlls"):
+        _dlls_preloaded = True
+        try:
+            ort.preload_dlls()
+        except Exception as err:   # no nvidia-* packages: the system's libraries may still serve
+            print(f"spectr-edge: note: onnxruntime.preload_dlls() failed ({err}); using the system's CUDA "
+                  "libraries", file=sys.stderr)
+
+
 def available_providers() -> list[str]:
     """Providers usable on this machine, in our spelling, best first."""
-    built = set(ort.get_available_providers())
+    built = set(onnxruntime().get_available_providers())
     usable = []
     if _gpu_driver_present():
         usable += [name for name in ("tensorrt", "cuda") if _ORT[name] in built]
     return usable + ["cpu"]
 
 
-def provider_chain(provider: str) -> list[str]:
-    """ONNX Runtime provider list for one of PROVIDER_NAMES (TensorRT falls back to CUDA, CUDA to CPU per node)."""
+def resolve_provider(provider: str) -> str:
+    """One of PROVIDER_NAMES -> the provider to run (auto: the best available, with a note when
+    that is the CPU)."""
     if provider not in PROVIDER_NAMES:
         raise ProviderError(f"unknown provider '{provider}'; choose one of {', '.join(PROVIDER_NAMES)}")
     usable = available_providers()
@@ -54,15 +87,63 @@ def provider_chain(provider: str) -> list[str]:
         if usable[0] == "cpu" and not _fallback_reported:
             _fallback_reported = True
             print("spectr-edge: no GPU provider available (TensorRT, CUDA); running on CPU", file=sys.stderr)
-        provider = usable[0]
-    elif provider not in usable:
+        return usable[0]
+    if provider not in usable:
         raise ProviderError(f"provider '{provider}' was requested but is not available on this machine "
                             f"(available: {', '.join(usable)}); use --provider auto or cpu")
-    chain = {"tensorrt": ["tensorrt", "cuda", "cpu"], "cuda": ["cuda", "cpu"], "cpu": ["cpu"]}[provider]
-    return [_ORT[name] for name in chain]
+    return provider
 
 
-def _session_options(threads: int | None, spinning: bool) -> ort.SessionOptions:
+def provider_chain(provider: str) -> list[str]:
+    """ONNX Runtime provider list (TensorRT falls back to CUDA, CUDA to CPU per node)."""
+    chain = {"tensorrt": ["tensorrt", "cuda", "cpu"], "cuda": ["cuda", "cpu"], "cpu": ["cpu"]}
+    return [_ORT[name] for name in chain[resolve_provider(provider)]]
+
+
+def provider_options(chain: list[str], spec: ModelSpec, trt: TensorRTSettings) -> list:
+    """The chain with each provider's options: TensorRT's engine cache, precision, workspace and a
+    shape profile covering every call the engine makes (1..max_rows rows, 1..max_call_tokens new
+    tokens, a past of 0..context positions); CUDA's copy stream shared with compute."""
+    out = []
+    for name in chain:
+        if name == "TensorrtExecutionProvider":
+            Path(trt.engine_cache).mkdir(parents=True, exist_ok=True)
+            lo, opt, hi = _profile(spec, trt)
+            out.append((name, {"trt_engine_cache_enable": "True", "trt_engine_cache_path": trt.engine_cache,
+                               "trt_timing_cache_enable": "True", "trt_fp16_enable": str(trt.fp16),
+                               "trt_max_workspace_size": str(int(trt.workspace_gb * 2**30)),
+                               "trt_profile_min_shapes": lo, "trt_profile_opt_shapes": opt,
+                               "trt_profile_max_shapes": hi}))
+        elif name == "CUDAExecutionProvider":
+            out.append((name, {"do_copy_in_default_stream": "True"}))
+        else:
+            out.append(name)
+    return out
+
+
+def _profile(spec: ModelSpec, trt: TensorRTSettings) -> tuple[str, str, str]:
+    """TensorRT shape profile strings "name:dims,..." (min, opt, max) for the graph's dynamic inputs."""
+    ctx = spec.context_length
+    shapes = {"min": (1, 1, 0), "opt": (1, 8, 512), "max": (trt.max_rows, trt.max_call_tokens, ctx)}
+    out = []
+    for rows, new, past in shapes.values():
+        total = past + new
+        dims = {spec.input_ids: (rows, new)}
+        if spec.position_ids:
+            dims[spec.position_ids] = (rows, new)
+        if spec.attention_mask:
+            dims[spec.attention_mask] = (rows, total)
+        if spec.tree_mask:
+            dims[spec.tree_mask] = (rows, 1, new, total)
+        cache_len = ctx if spec.attention == "gqa" else past
+        for k, v in spec.past:
+            dims[k] = dims[v] = (rows, spec.num_kv_heads, cache_len, spec.head_dim)
+        out.append(",".join(f"{n}:{'x'.join(map(str, d))}" for n, d in dims.items()))
+    return tuple(out)
+
+
+def _session_options(threads: int | None, spinning: bool):
+    ort = onnxruntime()
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -82,15 +163,17 @@ def call_tokens(spec: ModelSpec, new: int) -> int:
 
 
 class OnnxLM:
-    """One exported causal LM in one ONNX Runtime session."""
+    """One exported causal LM in one ONNX Runtime session, its caches on the session's device."""
 
     def __init__(self, spec: ModelSpec, provider: str = "auto", threads: int | None = None,
-                 spinning: bool = True):
+                 spinning: bool = True, tensorrt: TensorRTSettings | None = None):
         self.spec = spec
         chain = provider_chain(provider)
+        if chain[0] != _ORT["cpu"]:
+            _preload_gpu_libraries()
         try:
-            self.session = ort.InferenceSession(str(spec.file), _session_options(threads, spinning),
-                                                providers=chain)
+            self.session = onnxruntime().InferenceSession(str(spec.file), _session_options(threads, spinning),
+                                                providers=provider_options(chain, spec, tensorrt or TensorRTSettings()))
         except Exception as err:  # onnxruntime raises its own Fail/InvalidProtobuf/NoSuchFile types
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise BundleError(f"the {spec.role} model {spec.file} could not be loaded, it is corrupt or "
@@ -99,18 +182,18 @@ class OnnxLM:
             raise ProviderError(f"onnxruntime could not start {chain[0]} for the {spec.role} model "
                                 f"(got {self.session.get_providers()[0]}); use --provider cpu")
         self.provider = chain[0].replace("ExecutionProvider", "")
+        self.device = device_for("cpu" if chain[0] == _ORT["cpu"] else "cuda", chain)
         self._check_io()
         # fed whenever the graph has it: an upgrade interrupted before its manifest write leaves it undeclared
         names = {i.name for i in self.session.get_inputs()}
         self.logits_keep = spec.logits_keep or (LOGITS_KEEP if LOGITS_KEEP in names else None)
-        self._output_names = [spec.logits] + [n for kv in spec.present for n in kv]
-        if spec.guess:
-            self._output_names.append(spec.guess)
+        self._past = [n for kv in spec.past for n in kv]
+        self._present = [n for kv in spec.present for n in kv]
         # guess_ids of the latest call # [batch, rows], aligned with the logits it returned (None
         # without a guess head): row i's guess for the token after the one row i's logits choose
         self.guess: np.ndarray | None = None
         self.dtype = np.float16 if spec.dtype == "float16" else np.float32
-        self.seconds = 0.0   # wall time spent inside session.run
+        self.seconds = 0.0   # wall time spent inside session runs
         self.calls = 0
 
     def _check_io(self) -> None:
@@ -133,19 +216,26 @@ class OnnxLM:
 
     @property
     def in_place(self) -> bool:
-        """Whether caches live in buffers the fused attention updates in place (CPU, "gqa" graphs)."""
-        return self.spec.attention == "gqa" and self.provider == "CPU"
+        """Whether caches live in buffers the fused attention updates in place ("gqa" graphs)."""
+        return self.spec.attention == "gqa"
 
     def new_cache(self) -> KVCache | BufferKVCache:
         cls = BufferKVCache if self.in_place else KVCache
-        return cls(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+        return cls(self.device, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
 
     @property
     def takes_tree(self) -> bool:
         """Whether the graph takes a 4D attention mask, so one call can score a token tree."""
         return bool(self.spec.tree_mask) and self.spec.position_ids is not None
 
-    def forward(self, input_ids: np.ndarray, cache: KVCache, tree: np.ndarray | None = None,
+    def guess_after(self, row: int, batch_row: int = 0) -> int | None:
+        """The guess head's token for after the token that `row` of the latest call chose."""
+        guess = self.guess
+        if guess is None or not -guess.shape[1] <= row < guess.shape[1]:
+            return None
+        return int(guess[batch_row, row])
+
+    def forward(self, input_ids: np.ndarray, cache: KVCache | BufferKVCache, tree: np.ndarray | None = None,
                 depth: np.ndarray | None = None, past_mask: np.ndarray | None = None,
                 last: int | None = None) -> np.ndarray:
         """Score `input_ids` # [batch, new] after the cache; returns logits # [batch, new, logits_width].
@@ -156,7 +246,7 @@ class OnnxLM:
         more rows for their numerics, see call_tokens), so index from the end. Other graphs
         return every position.
 
-        The cache must have the same batch; it is replaced by the call's `present` (past + new positions).
+        The cache must have the same batch; it then holds past + new positions.
         tree # [new, new] bool (batch 1, graphs with a tree mask only): tree[i, j] = new token i
         attends to new token j (its ancestors and itself); depth # [new]: position = past + depth
         (may be negative: a draft tree's nodes sit after other branches in the cache).
@@ -169,6 +259,8 @@ class OnnxLM:
         pad = call_tokens(spec, new) - new if batch == 1 else 0
         if pad > 0:
             return self._forward_padded(input_ids, cache, tree, depth, pad, past_mask, last)
+        if self.in_place and new > 1 and cache.batch > 1 and cache.length:
+            raise ValueError("a fused-attention graph scores several new tokens after a past in batch 1 only")
         past = cache.length
         feeds = {spec.input_ids: np.ascontiguousarray(input_ids, dtype=np.int64)}
         if self.logits_keep:
@@ -190,18 +282,28 @@ class OnnxLM:
             offsets = np.arange(new) if depth is None else np.asarray(depth)
             positions = (past + offsets).astype(np.int64)
             feeds[spec.position_ids] = np.broadcast_to(positions, (batch, new)).copy()  # [batch, new]
-        if isinstance(cache, BufferKVCache):
-            return self._forward_in_place(feeds, cache, new)
-        for (k_name, v_name), (k, v) in zip(spec.past, cache.layers):
-            feeds[k_name], feeds[v_name] = k, v
+        return self._run(feeds, cache, new)
+
+    def _run(self, feeds: dict, cache, new: int) -> np.ndarray:
+        """One call through I/O binding: small inputs from the host, the cache bound on the device
+        (read as past, written as present), logits (and guess ids) copied back."""
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        binding.bind_output(self.spec.logits, self.device.kind, self.device.device_id)   # outputs come back
+        if self.spec.guess:                                                               # in binding order
+            binding.bind_output(self.spec.guess, self.device.kind, self.device.device_id)
+        cache.bind(binding, self._past, self._present, new)
         started = time.perf_counter()
-        outputs = self.session.run(self._output_names, feeds)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        logits = self.device.fetch(outputs[0])
+        if self.spec.guess:
+            self.guess = self.device.fetch(outputs[1])
         self.seconds += time.perf_counter() - started
         self.calls += 1
-        cache.replace([(outputs[1 + 2 * i], outputs[2 + 2 * i]) for i in range(spec.num_layers)])
-        if spec.guess:
-            self.guess = outputs[-1]
-        return self._checked(outputs[0])
+        cache.commit(new)
+        return self._checked(logits)
 
     def _checked(self, logits: np.ndarray) -> np.ndarray:
         """The call's logits, refused when any is NaN or +inf (max propagates both; one pass): corrupt
@@ -217,10 +319,9 @@ class OnnxLM:
 
         For graphs whose kernels take another path (other rounding) for a 1-token call than for
         longer ones, or for the lone last row of an odd-sized call (call_tokens): every call then
-        computes the same numerics, so a token's logits do not depend
-        on whether it was decoded alone or verified in a block, and greedy equality is exact.
-        The padding repeats the last token after the real ones; causal attention keeps the real
-        rows from seeing it.
+        computes the same numerics, so a token's logits do not depend on whether it was decoded
+        alone or verified in a block, and greedy equality is exact. The padding repeats the last
+        token after the real ones; causal attention keeps the real rows from seeing it.
         """
         new = input_ids.shape[1]
         ids = np.concatenate([input_ids, np.repeat(input_ids[:, -1:], pad, axis=1)], axis=1)
@@ -239,36 +340,3 @@ class OnnxLM:
         if self.guess is not None:
             self.guess = self.guess[:, :self.guess.shape[1] - pad]
         return logits[:, :logits.shape[1] - pad]
-
-    def _forward_in_place(self, feeds: dict, cache: BufferKVCache, new: int) -> np.ndarray:
-        """One call whose past inputs and present outputs are the same cache buffers (I/O binding).
-
-        The graph's GroupQueryAttention reads positions below past + new (from the tree mask's
-        width) and writes the new ones at past..past + new - 1, in place.
-        """
-        if new > 1 and cache.batch > 1 and cache.length:
-            raise ValueError("a fused-attention graph scores several new tokens after a past in batch 1 only")
-        cache.reserve(cache.length + new)
-        binding = self.session.io_binding()
-        for name, value in feeds.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        binding.bind_output(self.spec.logits, "cpu")
-        if self.spec.guess:
-            binding.bind_output(self.spec.guess, "cpu")
-        values = cache.ort_values()
-        for i, (k_name, v_name) in enumerate(self.spec.past):
-            binding.bind_ortvalue_input(k_name, values[2 * i])
-            binding.bind_ortvalue_input(v_name, values[2 * i + 1])
-        for i, (k_name, v_name) in enumerate(self.spec.present):
-            binding.bind_ortvalue_output(k_name, values[2 * i])
-            binding.bind_ortvalue_output(v_name, values[2 * i + 1])
-        started = time.perf_counter()
-        self.session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        logits = outputs[0].numpy()
-        if self.spec.guess:
-            self.guess = outputs[1].numpy()
-        self.seconds += time.perf_counter() - started
-        self.calls += 1
-        cache.advance(new)
-        return self._checked(logits)

@@ -1,4 +1,6 @@
-"""Token-level acceptance rules (SPECTR.md sections 1 and 3): K-SEQ, standard, deterministic.
+"""Acceptance rules: token level (K-SEQ, standard, deterministic) and sequence level (one per kind
+of proposal: the greedy walk, SpecTr's k-SEQ over rows, the one-hot chain, the target's own walk
+through a copied trie, Sequoia's tree rule). docs/ALGORITHMS.md gives the formulas.
 
 Pure NumPy, float64 inside, randomness passed in as a numpy.random.Generator.
 Names (defined once, used throughout):
@@ -20,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .sampling import sample
+from .sampling import greedy_token, logits_to_probs, sample
 
 VALIDITY_TOL = 1e-12    # a plan is valid when p_acc <= rho * beta + this; the law is off by at most this
 RESIDUAL_EPS = 1e-12    # a residual with less mass is rounding noise (reached w.p. < this): use q
@@ -229,3 +231,117 @@ def _as_dist(probs) -> np.ndarray:
         raise ValueError("a probability vector needs positive, finite mass")
     dist /= total
     return dist
+
+
+# -- sequence-level rules: one per kind of proposal ----------------------------------------------
+# Each reads the target's logits at the proposal's nodes and returns the emitted tokens (the
+# accepted drafted tokens, then one token of the target's own) and the accepted path in the
+# proposal's trie (root included). docs/ALGORITHMS.md says why each keeps the target's law.
+
+def greedy_walk(trie, node_logits, vocab_size: int) -> tuple[list[int], list[int]]:
+    """Temperature 0, any proposal (chain, side leaves, draft tree, copied trie): from the root,
+    emit the target's argmax and follow the child holding it; stop at the first token no child
+    holds (it is still emitted). Exactly plain greedy decoding with some rows precomputed."""
+    return target_walk(trie, node_logits, lambda logits: int(greedy_token(logits, vocab_size)))
+
+
+def target_walk(trie, node_logits, choose) -> tuple[list[int], list[int]]:
+    """From the root, emit choose(the node's logits) (the target's own argmax or draw) and follow the
+    child holding that token; stop at the first token no child holds. A deterministic proposal then
+    only decides which rows were precomputed, so the output law is the target's."""
+    node, out, path = 0, [], [0]
+    while True:
+        tok = choose(node_logits[node])
+        out.append(tok)
+        child = trie.children.get((node, tok))
+        if child is None:
+            return out, path
+        node = child
+        path.append(node)
+
+
+def one_hot_chain(draft, chain_logits, sampling, vocab_size: int, rng) -> list[int]:
+    """A deterministic chain (prompt lookup) at temperature > 0: per position accept x w.p. q(x),
+    else draw from q without x and stop (deterministic_select); a bonus token from q when every
+    position was accepted. chain_logits # [L+1, W]."""
+    out: list[int] = []
+    for j, tok in enumerate(draft):
+        token, ok = deterministic_select(tok, logits_to_probs(chain_logits[j], sampling, vocab_size), rng)
+        out.append(int(token))
+        if not ok:
+            return out
+    out.append(int(sample(logits_to_probs(chain_logits[len(draft)], sampling, vocab_size), rng)))
+    return out
+
+
+def select_sequence(drafts, draft_probs, target_logits, row_of, sampling, vocab_size, rng):
+    """Sequence-level SpecTr selection over k candidate rows (the sequence step of k-SEQ).
+
+    drafts        # [k, L] candidate tokens (i.i.d. rows)
+    draft_probs   # [k, L, W] processed draft probs each token was drawn from (None if greedy)
+    target_logits # [u, L+1, W] target logits for the distinct rows (indexable as [row, j]);
+    row_of        # [k] maps candidate -> row
+    Returns (emitted tokens: accepted prefix + one residual/bonus token, index of a surviving candidate).
+    Survivors share the accepted prefix, so p and q at position j are the same for all of them.
+    """
+    num_candidates, draft_len = drafts.shape
+    survivors = np.arange(num_candidates)
+    out: list[int] = []
+    for j in range(draft_len):
+        row = row_of[survivors[0]]
+        if sampling.greedy:
+            best = int(greedy_token(target_logits[row, j], vocab_size))
+            out.append(best)
+            if drafts[survivors[0], j] != best:
+                return out, int(survivors[0])
+            continue
+        target_probs = logits_to_probs(target_logits[row, j], sampling, vocab_size)   # [W]
+        token, picked = kseq_select(drafts[survivors, j], draft_probs[survivors[0], j], target_probs, rng)
+        out.append(int(token))
+        if picked is None:                               # residual sample: the step ends here
+            return out, int(survivors[0])
+        survivors = survivors[drafts[survivors, j] == token]
+    # bonus token: every position accepted, sample from q after the last draft token
+    row = row_of[survivors[0]]
+    if sampling.greedy:
+        out.append(int(greedy_token(target_logits[row, draft_len], vocab_size)))
+    else:
+        out.append(int(sample(logits_to_probs(target_logits[row, draft_len], sampling, vocab_size), rng)))
+    return out, int(survivors[0])
+
+
+def sequoia_residual(q: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """norm(max(q - p, 0)): what the target still owes after a draft token drawn from p was rejected."""
+    r = np.maximum(q - p, 0.0)
+    total = r.sum()
+    return r / total if total > 0 else q
+
+
+def sequoia_walk(tree, trie, node_logits, sampling, vocab_size: int, rng) -> tuple[list[int], list[int]]:
+    """A Sequoia tree (children drawn without replacement from the draft, in drawing order): at each
+    node, child x is accepted if u p~(x) < q(x), p~ the draft renormalised without the rejected
+    siblings, else q <- norm(max(q - p~, 0)) and the next child is tried; when no child is accepted
+    (or at a leaf) the next token is drawn from q. tree.draft_probs[node] is the p a node's
+    children were drawn from."""
+    node, trie_node, out, path = 0, 0, [], [0]
+    while True:
+        q = logits_to_probs(node_logits[trie_node], sampling, vocab_size).astype(np.float64)
+        chosen = None
+        if node in tree.draft_probs:
+            p = tree.draft_probs[node].copy()
+            for child in tree.kids[node]:
+                x = tree.tokens[child]
+                if rng.random() * p[x] < q[x]:
+                    chosen = child
+                    break
+                q = sequoia_residual(q, p)
+                p[x] = 0.0
+                if p.sum() <= 0:
+                    break
+                p /= p.sum()
+        if chosen is None:
+            out.append(int(sample(q, rng)))
+            return out, path
+        out.append(tree.tokens[chosen])
+        node, trie_node = chosen, trie.children[(trie_node, tree.tokens[chosen])]
+        path.append(trie_node)

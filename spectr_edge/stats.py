@@ -33,7 +33,44 @@ class GenerationStats:
     seconds_first_token: float = 0.0
     seconds_target: float = 0.0      # inside the target's session.run
     seconds_draft: float = 0.0       # inside the draft's session.run
-    seconds_select: float = 0.0      # logits processing, sampling, selection
+    seconds_select: float = 0.0      # the selection rules (and the prefill's first token)
+    seconds_propose: float = 0.0     # drafting, the draft model's calls included
+    seconds_score: float = 0.0       # the target's verification calls, host work around them included
+    seconds_commit: float = 0.0      # cache commits and the drafters' updates
+
+    def record_step(self, rows: list, kind: str, scored: int, nodes: int, accepted: int) -> None:
+        """Count one verified step: its proposal's rows (none: a plain step, counted as a target call
+        only), who drafted them ("model", "lookup", "guess"), the tokens the target scored, the
+        proposal's trie nodes (root excluded) and how many drafted tokens were accepted."""
+        if not rows:
+            return
+        depth = max(len(r) for r in rows)
+        self.steps += 1
+        self.scored += scored
+        if len(self.reached) < depth:            # a prompt-lookup step may be longer than the model's L
+            self.reached += [0] * (depth - len(self.reached))
+            self.accepted_at += [0] * (depth - len(self.accepted_at))
+        self.drafted += depth
+        self.accepted += accepted
+        for j in range(min(accepted + 1, depth)):
+            self.reached[j] += 1
+        for j in range(accepted):
+            self.accepted_at[j] += 1
+        if kind in ("lookup", "guess"):
+            self.lookup_steps += 1
+            self.lookup_drafted += nodes
+            self.lookup_accepted += accepted
+            self.lookup_tries += len(rows) > 1
+        if kind == "guess":
+            self.guess_steps += 1
+            self.guess_accepted += accepted
+
+    def add_times(self, propose: float = 0.0, score: float = 0.0, select: float = 0.0, commit: float = 0.0) -> None:
+        """Wall time of one step's phases (the decoding loop times them, nothing else does)."""
+        self.seconds_propose += propose
+        self.seconds_score += score
+        self.seconds_select += select
+        self.seconds_commit += commit
 
     @property
     def seconds_other(self) -> float:

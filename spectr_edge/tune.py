@@ -143,8 +143,8 @@ def candidates(gen) -> dict[str, list[dict]]:
     greedy: list[dict] = [{"num_candidates": 0}, {"drafter": "lookup"}]
     sampling: list[dict] = [{"num_candidates": 0}, {"drafter": "lookup"}]
     if gen.target.takes_tree and gen.target.spec.min_call_tokens == 1:   # copied candidates in one trie
-        greedy.append({"drafter": "lookup", "num_candidates": 4})
-        sampling.append({"drafter": "lookup", "num_candidates": 4})
+        greedy.append({"drafter": "lookup", "lookup_candidates": 4})
+        sampling.append({"drafter": "lookup", "lookup_candidates": 4})
     if gen.draft is not None:
         model = lambda **kw: {"drafter": "model", "draft_stop": 0.0, "adaptive": False, **kw}  # noqa: E731
         greedy += [model(num_candidates=1, draft_len=3), model(num_candidates=1, draft_len=6, draft_stop=0.5),
@@ -156,7 +156,7 @@ def candidates(gen) -> dict[str, list[dict]]:
         # several candidates or a tree only where tree numerics are exact (no quantized activations)
         exact = gen.target.spec.min_call_tokens == 1
         if gen.target.takes_tree and exact:
-            greedy += [model(num_candidates=2, draft_len=4), model(num_candidates=3, draft_len=4)]
+            greedy += [model(branches=2, draft_len=4), model(branches=3, draft_len=4)]
             if gen.draft.takes_tree:
                 greedy += [model(num_candidates=1, draft_len=6, tree_budget=b) for b in (4, 8, 12)]
         sampling += [model(num_candidates=1, draft_len=L) for L in (2, 3, 4)]
@@ -172,11 +172,13 @@ def describe(options: dict) -> str:
         return "target only"
     drafter = options.get("drafter", "model")
     if drafter == "lookup":
-        k = options.get("num_candidates") or 1
+        k = options.get("lookup_candidates") or 1
         return "prompt lookup" + (f", {k} candidates in one trie" if k > 1 else "")
     if options.get("tree_budget"):
         return f"{drafter} tree of {options['tree_budget']} nodes, depth <= {options.get('draft_len')}"
-    text = f"{drafter} k={options.get('num_candidates', 1)} L={options.get('draft_len')}"
+    width = f"branches={options['branches']}" if options.get("branches", 1) > 1 else \
+        f"k={options.get('num_candidates', 1)}"
+    text = f"{drafter} {width} L={options.get('draft_len')}"
     if options.get("draft_stop"):
         text += f" stop {options['draft_stop']:g}"
     if options.get("adaptive"):

@@ -114,7 +114,7 @@ SMOLLM2_CONVERSATION_TOKENS = 8192   # a real export samples 65,536; fewer keep 
 @pytest.fixture(scope="session")
 def smollm2_bundle() -> Path:
     """The real SmolLM2-135M bundle (preset smollm2), built once (~80 s, 3 GB RAM) and reused."""
-    from export import FetchError, export_bundle
+    from spectr_edge_export import FetchError, export_bundle
 
     out = cache_root() / "bundles" / "smollm2-v2"        # v2: its lookup table has sampled conversation
 

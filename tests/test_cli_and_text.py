@@ -55,7 +55,9 @@ def test_generate_json_and_no_draft(toy_dir):
     (["-k", "-1"], "num-candidates"),
     (["--provider", "npu"], "npu"),
     (["--chat"], "no chat template"),
-    (["--draft", "lookup", "-k", "2"], "prompt lookup drafts several candidates"),   # no tree mask here
+    (["--draft", "lookup", "-k", "2"], "lookup_candidates=2 (--lookup-candidates 2)"),   # the old spelling
+    (["--draft", "lookup", "--lookup-candidates", "2"], "only as one token trie"),       # no tree mask here
+    (["--branches", "3"], "branches needs a bundle whose target takes a tree mask"),
     (["--draft", "lookup", "--no-draft"], "contradict each other"),
     (["--draft", "copy"], "copy"),
     (["--draft-window", "-3"], "draft_window must be an integer >= 0"),
@@ -82,16 +84,16 @@ def test_prompt_lookup_from_the_command_line(toy_dir):
 
 
 def test_lookup_candidates_as_one_trie_from_the_command_line(tmp_path):
-    """--draft lookup -k 4 on a bundle whose target takes a tree mask: target greedy, and --stats says
+    """--draft lookup --lookup-candidates 4 on a bundle whose target takes a tree mask: target greedy, and --stats says
     how many steps verified several copied candidates as one trie."""
     tree_dir = build_toy_bundle(tmp_path / "tree", seed_target=21, seed_draft=22, tree_mask=True)
     args = ["generate", "a b c a b d a b", "--bundle", str(tree_dir), "--provider", "cpu", "-n", "24"]
     plain = json.loads(run_cli(*args, "--json", "--no-draft").stdout)
-    res = run_cli(*args, "--json", "--draft", "lookup", "-k", "4")
+    res = run_cli(*args, "--json", "--draft", "lookup", "--lookup-candidates", "4")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["token_ids"] == plain["token_ids"] and out["stats"]["lookup_tries"] > 0, out["stats"]
-    res = run_cli(*args, "--stats", "--draft", "lookup", "-k", "4")
+    res = run_cli(*args, "--stats", "--draft", "lookup", "--lookup-candidates", "4")
     assert res.returncode == 0 and "as one trie" in res.stderr, res.stderr
 
 

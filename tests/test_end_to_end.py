@@ -70,7 +70,7 @@ def smollm2_hf(smollm2_bundle, tmp_path_factory):
     """The same GGUF loaded by transformers (dequantized to float32), as the export saw it."""
     from transformers import AutoModelForCausalLM
 
-    from export.presets import PRESETS, cache_root, fetch_gguf
+    from spectr_edge_export.presets import PRESETS, cache_root, fetch_gguf
 
     gguf = fetch_gguf(PRESETS["smollm2"].target, cache_root(), lambda s: None)
     return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype="float32").eval()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tiny_models
-from export import PRESETS, export_bundle, presets, tokenizer_fix
+from spectr_edge_export import PRESETS, export_bundle, presets, tokenizer_fix
 from spectr_edge.errors import ExportError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +191,7 @@ def test_tiny_draft_agrees_with_target(name, min_agree, request):
 @pytest.fixture(scope="module")
 def onnx_dir(tmp_path_factory, tiny_qwen_dir) -> Path:
     """An optimum ONNX export directory (model.onnx + config + tokenizer) of the tiny Qwen."""
-    from export.onnx_export import export_onnx
+    from spectr_edge_export.onnx_export import export_onnx
 
     out = tmp_path_factory.mktemp("tiny-qwen-onnx")
     export_onnx(tiny_qwen_dir, out)
@@ -272,7 +272,7 @@ def test_quantized_target_runs(tmp_path, onnx_dir, quant, block):
 
 
 def test_parity_failure_is_an_error(tmp_path, tiny_llama_dir, monkeypatch):
-    from export import onnx_export
+    from spectr_edge_export import onnx_export
 
     real = onnx_export.torch_logits
     monkeypatch.setattr(onnx_export, "torch_logits", lambda d, ids: real(d, ids) + 0.5)
@@ -285,7 +285,7 @@ def test_graph_without_kv_cache_is_rejected(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from export.onnx_export import read_io
+    from spectr_edge_export.onnx_export import read_io
 
     graph = helper.make_graph(
         [helper.make_node("Cast", ["input_ids"], ["logits"], to=TensorProto.FLOAT)], "no-cache",
@@ -300,7 +300,7 @@ def test_graph_without_kv_cache_is_rejected(tmp_path):
 def test_onnx_dir_source_does_not_import_torch(tmp_path, onnx_dir):
     code = (
         "import sys, json\n"
-        "from export import export_bundle\n"
+        "from spectr_edge_export import export_bundle\n"
         f"out = export_bundle({str(tmp_path / 'b')!r}, target={str(onnx_dir)!r}, draft='self', lookup_conversation_tokens=0, log=lambda s: None)\n"
         "m = json.load(open(out / 'spectr.json'))\n"
         "print(sorted(k for k in ('torch', 'transformers', 'optimum') if k in sys.modules), m['models']['draft']['quant'])\n"
@@ -347,12 +347,12 @@ def test_existing_out_needs_overwrite(tmp_path, onnx_dir):
 
 @pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
 def test_failed_export_leaves_nothing(tmp_path, onnx_dir, monkeypatch, exc):
-    import export.writer
+    import spectr_edge_export.writer
 
     def boom(*a, **k):
         raise exc
 
-    monkeypatch.setattr(export.writer, "write_manifest", boom)  # the very last step, after the sampling
+    monkeypatch.setattr(spectr_edge_export.writer, "write_manifest", boom)  # the very last step, after the sampling
     with pytest.raises(type(exc)):
         export_bundle(tmp_path / "b", target=str(onnx_dir), draft="self", lookup_conversation_tokens=256,
                       log=lambda s: None)
@@ -383,7 +383,7 @@ def test_bad_sources_are_one_line_errors(tmp_path):
 
 def test_gguf_file_is_recognised_by_content(tmp_path, tiny_llama_dir, monkeypatch):
     """A file with GGUF magic goes through the GGUF converter whatever its name."""
-    from export import sources
+    from spectr_edge_export import sources
 
     (tmp_path / "weights.bin").write_bytes(b"GGUF" + bytes(60))
     seen = []
@@ -603,7 +603,8 @@ def test_a_graph_with_fused_attention_exports_without_a_tree_mask(tmp_path, onnx
             nodes.append(node)
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
-        x, y, n = node.input[0], node.output[0], node.name or y
+        x, y = node.input[0], node.output[0]
+        n = node.name or y
         axes = helper.make_tensor(f"{n}_axes", onnx.TensorProto.INT64, [1], [axis])
         model.graph.initializer.append(axes)
         nodes += [helper.make_node("ReduceMax", [x, f"{n}_axes"], [f"{n}_max"], keepdims=1),

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from export import guess_head  # noqa: E402
+from spectr_edge_export import guess_head  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n    if n < 2:", "The quick brown fox jumps over", "Hello, world! How are you?",
            "class Stack:\n    def push(self, item):"]

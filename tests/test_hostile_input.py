@@ -180,7 +180,7 @@ def test_info_and_load_refuse_a_truncated_model_file(toy_dir, tmp_path):
     model = bundle / "target" / "model.onnx"
     model.write_bytes(model.read_bytes()[:1024])
     code, _, err = run_cli("info", "--bundle", bundle)
-    one_line_error(code, err, "truncated or missing", "re-export")
+    one_line_error(code, err, "corrupt or truncated", "re-export")
     with pytest.raises(BundleError, match="truncated"):
         spectr_edge.load(bundle, provider="cpu")
 

@@ -166,10 +166,13 @@ def draw(gen, cfg: Config) -> Draws:
     totals = Counter()
     started = time.perf_counter()
     for _ in range(cfg.draws):
+        # prompt lookup's candidates are its lookup_candidates; the draft model's are SpecTr's k
+        candidates = (dict(lookup_candidates=cfg.num_candidates) if cfg.drafter == "lookup"
+                      else dict(num_candidates=cfg.num_candidates))
         res = gen.generate_ids(list(cfg.prompt), max_new_tokens=MAX_NEW_TOKENS, temperature=cfg.temperature,
-                               top_k=cfg.top_k, top_p=cfg.top_p, num_candidates=cfg.num_candidates,
-                               draft_len=cfg.draft_len, draft_stop=cfg.draft_stop, drafter=cfg.drafter,
-                               adaptive=cfg.adaptive, tree_budget=cfg.tree_budget, rng=rng)
+                               top_k=cfg.top_k, top_p=cfg.top_p, draft_len=cfg.draft_len, draft_stop=cfg.draft_stop,
+                               drafter=cfg.drafter, adaptive=cfg.adaptive, tree_budget=cfg.tree_budget, rng=rng,
+                               **candidates)
         ids = tuple(res.token_ids)
         assert len(ids) == MAX_NEW_TOKENS, ids               # eos_token_ids is empty
         assert all(0 <= t < VOCAB_SIZE for t in ids), f"padding or out-of-range id emitted: {ids}"
@@ -375,23 +378,23 @@ def test_negative_control_tree_without_gather(tree_bundle, tree_gen, monkeypatch
 
 
 def test_tree_greedy_equals_target_only(tree_gen):
-    """Greedy with a tree target: k = 1 is the chain; k > 1 adds k - 1 side leaves per depth."""
+    """Greedy with a tree target: branches = 1 is the chain; more add branches - 1 side leaves per depth."""
     rng = np.random.default_rng(19)
     accepted = leaves = 0
     for trial in range(12):
         prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(1, 6)))]
         plain = tree_gen.generate_ids(prompt, max_new_tokens=16, temperature=0.0, num_candidates=0).token_ids
-        for num_candidates, draft_len in ((1, 3), (4, 2), (2, 3), (3, 4)):
+        for branches, draft_len in ((1, 3), (4, 2), (2, 3), (3, 4)):
             res = tree_gen.generate_ids(prompt, max_new_tokens=16, temperature=0.0, draft_stop=0.0,
-                                        num_candidates=num_candidates, draft_len=draft_len)
-            assert res.token_ids == plain, (prompt, num_candidates, draft_len)
+                                        branches=branches, draft_len=draft_len)
+            assert res.token_ids == plain, (prompt, branches, draft_len)
             accepted += res.stats.accepted
             leaves += res.stats.scored - res.stats.drafted - res.stats.steps   # nodes beyond root + chain
     assert accepted > 0 and leaves > 0, (accepted, leaves)
 
 
 
-# Sequoia trees (engine._sequoia_step): children drawn without replacement, accepted by Sequoia's rule
+# Sequoia trees (drafters.SequoiaTree, selection.sequoia_walk): children drawn without replacement, accepted by Sequoia's rule
 SEQUOIA_CONFIGS = [
     Config(1, 3, 1.0, seed=24, tree_budget=6),
     Config(1, 2, 0.7, top_k=3, top_p=0.9, prompt=LONG_PROMPT, seed=25, tree_budget=5),
@@ -412,16 +415,16 @@ def test_sequoia_tree_output_law_equals_target(tree_bundle, tree_gen, cfg):
 def test_negative_control_sequoia_without_residual(tree_bundle, tree_gen, monkeypatch):
     """Moving on to the next sibling (or the final draw) with q itself instead of the residual
     norm(max(q - p~, 0)) is detected by the same test."""
-    from spectr_edge import engine
+    from spectr_edge import selection
 
-    monkeypatch.setattr(engine, "_residual", lambda q, p: q)
+    monkeypatch.setattr(selection, "sequoia_residual", lambda q, p: q)
     cfg = Config(1, 2, 1.0, draws=NEGATIVE_DRAWS, seed=26, tree_budget=6)
     draws = draw(tree_gen, cfg)
     assert_law_rejected(tree_bundle, cfg, draws)
 
 
 def test_dynamic_tree_greedy_equals_target_only(tree_gen):
-    """Greedy with a dynamic draft tree (OPT-Tree style, engine.DraftTree): token for token."""
+    """Greedy with a dynamic draft tree (OPT-Tree style, trees.DraftTree): token for token."""
     rng = np.random.default_rng(29)
     accepted = branched = 0
     for trial in range(10):
@@ -441,12 +444,12 @@ def test_dynamic_tree_draft_sees_only_its_own_branch(tree_bundle, tree_gen, monk
     """Every draft distribution the tree grows from equals the draft's exact next-token logits for
     that node's own path (toy_lm.exact_next_logits): past masks and positions of a tree drafted
     over several calls are right. Greedy equality alone would not notice a wrong draft tree."""
-    from spectr_edge import engine
+    from spectr_edge import trees
     from toy_lm import exact_next_logits, load_params
 
     params = load_params(tree_bundle, "draft")
     seen = []
-    original = engine.DraftTree.grow
+    original = trees.DraftTree.grow
 
     def recording(self, frontier, logits):
         for i, node in enumerate(frontier):
@@ -454,7 +457,7 @@ def test_dynamic_tree_draft_sees_only_its_own_branch(tree_bundle, tree_gen, monk
             seen.append((self.tokens[0], path, np.array(logits[i])))
         return original(self, frontier, logits)
 
-    monkeypatch.setattr(engine.DraftTree, "grow", recording)
+    monkeypatch.setattr(trees.DraftTree, "grow", recording)
     prompt = [1, 3, 0, 2]
     res = tree_gen.generate_ids(prompt, max_new_tokens=12, temperature=0.0, tree_budget=6, draft_len=3)
     committed = list(prompt) + res.token_ids
@@ -551,26 +554,20 @@ def test_lookup_trie_output_law_equals_target(tree_bundle, tree_gen):
 
 def test_negative_control_lookup_trie_following_every_copy(tree_bundle, tree_gen, monkeypatch):
     """A trie walk that takes a copied child outright (instead of drawing from q) is detected."""
-    from spectr_edge import engine
+    from spectr_edge import selection
 
-    def follow_copies(self, ids, t_cache, rows, req, rng, stats):
-        trie = engine.TokenTrie(ids[-1], rows)
-        logits = self.target.forward(trie.tokens[None], t_cache, trie.ancestors, trie.depth)[0]
-        stats.lookup_steps += 1
-        stats.lookup_tries += 1
+    def follow_copies(trie, node_logits, choose):
         node, out, path = 0, [], [0]
         while True:
             kids = [tok for (parent, tok) in trie.children if parent == node]
-            tok = kids[0] if kids else self._choose(logits[node], req.sampling, rng)
+            tok = kids[0] if kids else choose(node_logits[node])
             out.append(tok)
             if not kids:
-                break
+                return out, path
             node = trie.children[(node, tok)]
             path.append(node)
-        t_cache.gather(len(ids) - 1, len(ids) - 1 + np.asarray(path))
-        return out
 
-    monkeypatch.setattr(engine.Engine, "_lookup_trie_step", follow_copies)
+    monkeypatch.setattr(selection, "target_walk", follow_copies)
     cfg = Config(4, 4, 1.0, top_k=3, prompt=LONG_PROMPT, draws=NEGATIVE_DRAWS, seed=36, drafter="lookup")
     draws = draw(tree_gen, cfg)
     assert draws.lookup_tries > 0
@@ -584,7 +581,7 @@ def test_lookup_trie_greedy_equals_target_only(tree_gen):
         prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(3, 12)))]
         plain = tree_gen.generate_ids(prompt, max_new_tokens=20, temperature=0.0, num_candidates=0).token_ids
         for k in (2, 4, 8):
-            res = tree_gen.generate_ids(prompt, max_new_tokens=20, temperature=0.0, drafter="lookup", num_candidates=k)
+            res = tree_gen.generate_ids(prompt, max_new_tokens=20, temperature=0.0, drafter="lookup", lookup_candidates=k)
             assert res.token_ids == plain, (prompt, k)
             tries += res.stats.lookup_tries
     assert tries > 0

@@ -163,7 +163,7 @@ def test_generate_uses_tuned_defaults_unless_options_are_given(tiny_qwen_bundle,
     assert out["stats"]["draft_calls"] == 0 and out["stats"]["num_candidates"] == 1
     # a tuned lookup trie (several copied candidates) keeps its k
     trie = spectr_edge.load(_with_defaults(tiny_qwen_bundle, tmp_path / "t", {"greedy": {"drafter": "lookup",
-                                                                                       "num_candidates": 4}}),
+                                                                                       "lookup_candidates": 4}}),
                             provider="cpu", threads=1)
     assert trie.target.takes_tree
     res = trie.generate_ids(prompt, max_new_tokens=24)

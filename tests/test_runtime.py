@@ -12,6 +12,7 @@ import pytest
 
 import spectr_edge
 from spectr_edge import BundleError, InputError, ProviderError
+from spectr_edge.device import GraphDevice, HostDevice
 from spectr_edge.kv_cache import KVCache
 from toy_lm import build_toy_bundle
 
@@ -97,17 +98,19 @@ def test_generation_stops_at_the_end_of_the_context(toy_dir, tmp_path):
         g.generate_ids(list(range(5)) * 2, max_new_tokens=1)
 
 
-def test_kv_cache_operations():
-    cache = KVCache(num_layers=2, num_kv_heads=3, head_dim=4)
+@pytest.mark.parametrize("device", [HostDevice(), GraphDevice("cpu")], ids=["host", "graph"])
+def test_kv_cache_operations(device):
+    cache = KVCache(device, num_layers=2, num_kv_heads=3, head_dim=4)
     assert cache.length == 0 and cache.batch == 1
     layer = np.arange(1 * 3 * 6 * 4, dtype=np.float32).reshape(1, 3, 6, 4)   # [1, heads, 6, dim]
-    cache.replace([(layer, layer + 1), (layer + 2, layer + 3)])
+    cache.values = [device.from_host(layer + i) for i in range(4)]
     cache.repeat_rows(3)
-    assert cache.batch == 3 and np.array_equal(cache.layers[1][0][2], layer[0] + 2)
+    assert cache.batch == 3 and np.array_equal(cache.host_layers()[1][0][2], layer[0] + 2)
     cache.keep_row(2)
     cache.crop(4)
     assert cache.batch == 1 and cache.length == 4
-    assert np.array_equal(cache.layers[0][1], (layer + 1)[:, :, :4]) and cache.layers[0][1].flags.c_contiguous
+    k0v = cache.host_layers()[0][1]
+    assert np.array_equal(k0v, (layer + 1)[:, :, :4]) and k0v.flags.c_contiguous
     with pytest.raises(ValueError):
         cache.crop(5)
 
@@ -119,10 +122,10 @@ def test_kv_cache_operations():
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-1), "top_k must be an integer >= 0"),
-    (dict(num_candidates=-1), "num_candidates must be an integer >= 0"),
-    (dict(draft_len=0), "draft_len must be an integer >= 1"),
+    (dict(num_candidates=-1), r"num_candidates must be an integer in \[0, 64\]"),
+    (dict(draft_len=0), r"draft_len must be an integer in \[1, 128\]"),
     (dict(draft_stop=1.0), r"draft_stop must be in \[0, 1\)"),
-    (dict(tree_budget=-1), "tree_budget must be an integer >= 0"),
+    (dict(tree_budget=-1), r"tree_budget must be an integer in \[0, 1024\]"),
     (dict(tree_budget=4), "needs a bundle whose graphs take a tree mask"),
     (dict(tree_budget=4, drafter="lookup"), "drafts with the draft model"),
     (dict(draft_window=-1), "draft_window must be an integer >= 0"),
@@ -237,10 +240,10 @@ def test_lookup_table_missing_or_corrupt(toy_dir, tmp_path):
 
 
 def test_top_ids_is_the_stable_top_k_and_leaves_the_logits_alone():
-    """engine.top_ids (the draft tree's branching and greedy side leaves): the ids of argsort(-x,
+    """trees.top_ids (the draft tree's branching and greedy side leaves): the ids of argsort(-x,
     stable)[:k] per row, ties to the lower id, for rows with ties, -inf entries and a row that is
     all -inf; the input comes back bit-identical, and a read-only input works."""
-    from spectr_edge.engine import top_ids
+    from spectr_edge.trees import top_ids
 
     rng = np.random.default_rng(5)
     x = rng.integers(-4, 5, (6, 50)).astype(np.float32)           # many ties

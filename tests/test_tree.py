@@ -13,8 +13,10 @@ import shutil
 import numpy as np
 import pytest
 
-from spectr_edge.engine import SequoiaShape, TokenTrie
+from spectr_edge.device import GraphDevice, HostDevice
 from spectr_edge.kv_cache import KVCache
+from spectr_edge.selection import greedy_walk
+from spectr_edge.trees import SequoiaShape, TokenTrie
 
 
 def test_trie_shares_prefixes_and_indexes_rows():
@@ -37,7 +39,7 @@ def test_greedy_walk_follows_the_target_argmax_through_leaves():
     logits[0, 1] = 1                        # root -> 1 (on the chain)
     logits[node[(0, 1)], 8] = 1             # after 1 -> 8 (a leaf, not the chain's 2)
     logits[node[(node[(0, 1)], 8)], 5] = 1  # after 8 -> 5 (bonus from the leaf's logits)
-    tokens, path = trie.greedy_walk(logits, vocab_size=10)
+    tokens, path = greedy_walk(trie, logits, vocab_size=10)
     assert tokens == [1, 8, 5]
     assert path == [0, node[(0, 1)], node[(node[(0, 1)], 8)]]
 
@@ -50,24 +52,29 @@ def test_trie_row_view_reads_node_logits():
     assert trie.node_of[1, 2] == 3 and view[0, 1].tolist() == node_logits[1].tolist()
 
 
-def test_gather_moves_the_path_to_contiguous_positions():
-    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=1)
+@pytest.mark.parametrize("device", [HostDevice(), GraphDevice("cpu")], ids=["host", "graph"])
+def test_gather_moves_the_path_to_contiguous_positions(device):
+    cache = KVCache(device, num_layers=2, num_kv_heads=1, head_dim=1)
     # past 3 positions (values 0, 1, 2) then 5 tree nodes (values 10..14)
     values = np.array([0, 1, 2, 10, 11, 12, 13, 14], dtype=np.float32).reshape(1, 1, 8, 1)
-    cache.replace([(values.copy(), -values.copy()) for _ in range(2)])
+
+    def fill(signs):
+        cache.values = [device.from_host(sign * values) for sign in signs]
+
+    fill([1, -1, 1, -1])
     cache.gather(3, np.array([3, 5, 7]))               # path: root (node 0), node 2, node 4
-    k, v = cache.layers[1]
+    k, v = cache.host_layers()[1]
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 10, 12, 14] and v[0, 0, :, 0].tolist() == [0, -1, -2, -10, -12, -14]
-    cache.replace([(values.copy(), values.copy()) for _ in range(2)])
+    fill([1, 1, 1, 1])
     cache.gather(3, np.array([3, 4]))                  # already contiguous: a crop
-    assert cache.layers[0][0][0, 0, :, 0].tolist() == [0, 1, 2, 10, 11]
+    assert cache.host_layers()[0][0][0, 0, :, 0].tolist() == [0, 1, 2, 10, 11]
 
 
 def test_rewrite_refuses_a_graph_without_attention():
     import onnx
     from onnx import TensorProto, helper
 
-    from export.tree_mask import add_tree_mask
+    from spectr_edge_export.tree_mask import add_tree_mask
     from spectr_edge.errors import ExportError
 
     graph = helper.make_graph(
@@ -117,7 +124,8 @@ def test_upgraded_bundle_decodes_like_the_original(tiny_bundle, upgraded):
     prompt = [5, 6, 7, 8, 9]
     plain = before.generate_ids(prompt, max_new_tokens=32, temperature=0, num_candidates=0).token_ids
     for k, L in ((0, 1), (1, 3), (2, 3), (4, 3)):     # k > 1: the greedy chain + k - 1 leaves per depth
-        got = after.generate_ids(prompt, max_new_tokens=32, temperature=0, num_candidates=k, draft_len=L)
+        width = dict(num_candidates=0) if k == 0 else dict(branches=k)
+        got = after.generate_ids(prompt, max_new_tokens=32, temperature=0, draft_len=L, **width)
         assert got.token_ids == plain, (k, L)
         assert k < 2 or got.stats.scored > got.stats.steps * (L + 1)   # the leaves were scored
     # sampling, k = 4: the trie path and the replicated path see the same logits (to float rounding)
@@ -130,7 +138,7 @@ def test_upgraded_bundle_decodes_like_the_original(tiny_bundle, upgraded):
 
 
 def test_upgrade_twice_is_a_no_op(upgraded):
-    from export.tree_mask import add_tree_mask_to_bundle
+    from spectr_edge_export.tree_mask import add_tree_mask_to_bundle
 
     assert add_tree_mask_to_bundle(upgraded, log=lambda _: None) == []
 

@@ -207,7 +207,7 @@ def build_tiny_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
     logits_keep input, as bundles made before either existed; tiny-qwen has both, so both
     verification paths and the in-place upgrade (test_tree.py) are covered.
     """
-    from export import export_bundle
+    from spectr_edge_export import export_bundle
 
     tok = make_tokenizer(work / "tokenizer")
     target = make_llama(work / "llama", tok)
@@ -223,7 +223,7 @@ def build_tiny_qwen_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
     int8, not int4: block-32 int4 on 64-wide random matrices moves logits by ~1 unit and the
     draft then agrees with the target on under half the tokens (test_export covers int4).
     """
-    from export import export_bundle
+    from spectr_edge_export import export_bundle
 
     tok = make_tokenizer(work / "tokenizer")
     target = make_qwen(work / "qwen", tok)

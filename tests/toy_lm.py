@@ -355,7 +355,7 @@ def build_toy_bundle(out_dir, *, seed_target: int, seed_draft: int, vocab_size: 
         graph = build_graph(params, f"toy_{role}", guess=with_guess)
         still_has_mask = True
         if tree_mask:
-            from export.tree_mask import add_tree_mask
+            from spectr_edge_export.tree_mask import add_tree_mask
 
             graph, still_has_mask = add_tree_mask(graph)
         onnx.save(graph, str(out / role / "model.onnx"))

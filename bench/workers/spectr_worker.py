@@ -7,7 +7,8 @@ stderr). The worker first sends {"ready": true, "info": {...versions...}}. A req
 {"id", "prompt", "prompt_ids", "max_new_tokens", "seed", "config"}; the answer is
 {"id", "result": {...measurements...}} or {"id", "error": "one line"}. An empty line or EOF ends it.
 
-config keys for spectr-edge: temperature, k (0 = target-only), L, stop (draft_stop), top_k, top_p,
+config keys for spectr-edge: temperature, k (0 = target-only; with drafter lookup: lookup_candidates),
+branches (greedy side leaves), L, stop (draft_stop), top_k, top_p,
 drafter (model | lookup | model+lookup), adaptive (bool), tree (tree_budget: a draft tree of that many nodes),
 window (draft_window), table (false: lookup without the bundle's next-token table), unpadded (true: a
 min_call_tokens-2 target decodes in 1-token calls (no padding at all), as plain ONNX Runtime would; other numerics, so
@@ -67,8 +68,10 @@ def main() -> None:
         c = req["config"]
         kwargs = dict(max_new_tokens=req["max_new_tokens"], temperature=c.get("temperature", 0.0),
                       top_k=c.get("top_k", 0), top_p=c.get("top_p", 1.0), seed=req["seed"])
-        if "k" in c:
-            kwargs["num_candidates"] = c["k"]
+        if "k" in c:   # candidates: prompt lookup's copied ones, else SpecTr's k
+            kwargs["lookup_candidates" if c.get("drafter") == "lookup" and c["k"] else "num_candidates"] = c["k"]
+        if c.get("branches"):
+            kwargs["branches"] = c["branches"]
         if c.get("L"):
             kwargs["draft_len"] = c["L"]
         if "stop" in c:
