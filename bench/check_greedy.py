@@ -1,10 +1,10 @@
 """Greedy equality on a real bundle, outside CI: every greedy speculative configuration must
 produce exactly the target-only token ids, with tokens drafted and accepted.
 
-Reads the raw.json of a spec_sweep run (which records every generation's token ids), or
+Reads the raw.json of a bench/run.py run (which records every generation's token ids), or
 runs its own small check when given --bundle:
 
-    .venv/bin/python bench/check_greedy.py bench/results/DATE-spec-sweep/raw.json
+    .venv/bin/python bench/check_greedy.py bench/results/DATE-NAME/raw.json
     .venv/bin/python bench/check_greedy.py --bundle models/default --prompts 3 -n 64
 """
 
@@ -15,26 +15,31 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 def check_rows(rows: list[dict]) -> tuple[int, int, list[str]]:
     """Compare greedy speculative rows with the target-only row of the same prompt.
 
     Returns (rows compared, rows that accepted draft tokens, descriptions of differences).
-    Rows of spec_sweep.py (keys k, acceptance) or of run.py (config, accepted; spectr-edge rows only)."""
+    Rows of run.py (config, accepted; spectr-edge rows only)."""
     rows = [_normal(r) for r in rows if r.get("tool", "spectr-edge") == "spectr-edge" and "error" not in r
             and not (isinstance(r.get("config"), dict) and r["config"].get("unpadded"))]   # other numerics: a
     # reference for speed (bench/run.py's "1-token calls" rows), not the target-only to compare with
     # a bundle tag ("... [int4 target]") means another bundle: compare with that bundle's target-only;
-    # "[int4 target, library-only table]" is a variant of the "int4 target" bundle's drafting: compare
-    # with that one's; any other tag with no target-only of its own is another draft for the same
-    # target ("[block-32 draft]"): compare with the untagged target-only
+    # "[int4 target, no guess head]" is a variant of the "int4 target" bundle: compare with that one's
+    # when it has none of its own; any other tag without a target-only of its own is another draft for
+    # the same target: compare with the untagged target-only
     plain = {(r["prompt_id"], _tag(r)): r["token_ids"] for r in rows if r["temperature"] == 0 and r["k"] == 0}
     spec = [r for r in rows if r["temperature"] == 0 and r["k"] != 0]
     failures = []
     for r in spec:
         tag = _tag(r)
-        key = next(k for k in ((r["prompt_id"], tag), (r["prompt_id"], tag.split(", ")[0]), (r["prompt_id"], ""))
-                   if k in plain)
+        key = next((k for k in ((r["prompt_id"], tag), (r["prompt_id"], tag.split(", ")[0]), (r["prompt_id"], ""))
+                    if k in plain), None)
+        if key is None:
+            failures.append(f"prompt {r['prompt_id']} {r['config']}: no target-only row to compare with")
+            continue
         want = plain[key]
         if r["token_ids"] != want:
             at = next((i for i, (a, b) in enumerate(zip(r["token_ids"], want)) if a != b),
@@ -44,8 +49,9 @@ def check_rows(rows: list[dict]) -> tuple[int, int, list[str]]:
 
 
 def _tag(r: dict) -> str:
+    """Everything in brackets after the method's name: "[int4 target] [other checkout]"."""
     name = r.get("method") or ""
-    return name[name.rindex("[") + 1:-1] if name.endswith("]") else ""
+    return name[name.index(" [") + 1:] if " [" in name else ""
 
 
 def _normal(r: dict) -> dict:
@@ -55,7 +61,7 @@ def _normal(r: dict) -> dict:
     return r
 
 
-def from_sweep(path: Path) -> int:
+def from_run(path: Path) -> int:
     compared, accepting, failures = check_rows(json.loads(path.read_text())["rows"])
     print(f"{compared} greedy speculative generations compared token for token with target-only; "
           f"{accepting} of them accepted draft tokens; {len(failures)} differ")
@@ -65,12 +71,12 @@ def from_sweep(path: Path) -> int:
 
 
 def own_run(bundle: str, prompts: int, max_new_tokens: int) -> int:
+    import harness
     import spectr_edge
-    from spec_sweep import PROMPTS_FILE, load_prompts
 
     gen = spectr_edge.load(bundle, provider="cpu")
     bad = accepted = 0
-    for p in load_prompts(PROMPTS_FILE, prompts):
+    for p in harness.select_prompts(harness.load_questions(), f"first-{prompts}"):
         plain = gen.generate(p["prompt"], max_new_tokens=max_new_tokens, temperature=0, num_candidates=0)
         for L in (2, 4, 6):
             spec = gen.generate(p["prompt"], max_new_tokens=max_new_tokens, temperature=0, num_candidates=1, draft_len=L)
@@ -84,12 +90,12 @@ def own_run(bundle: str, prompts: int, max_new_tokens: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("raw", nargs="?", help="raw.json of a spec_sweep run")
+    ap.add_argument("raw", nargs="?", help="raw.json of a bench/run.py run")
     ap.add_argument("--bundle")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
-    sys.exit(from_sweep(Path(args.raw)) if args.raw else own_run(args.bundle, args.prompts, args.max_new_tokens))
+    sys.exit(from_run(Path(args.raw)) if args.raw else own_run(args.bundle, args.prompts, args.max_new_tokens))
 
 
 if __name__ == "__main__":

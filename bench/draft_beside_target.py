@@ -1,4 +1,4 @@
-"""Where should the draft run on a small CPU? (bench/RESULTS.md section 00000000000000)
+"""Where should the draft run on a small CPU? (docs/PERFORMANCE.md: what limits the speedup)
 
 Times one bundle's decode calls after a 100-token past (1-token draft calls, 4-token target
 calls, the engine's verification size) in four arrangements:

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spectr_edge_export.logits_keep import rewrite_graph  # noqa: E402
 from spectr_edge.bundle import write_manifest  # noqa: E402
-from tree_twin import link_or_copy  # noqa: E402
+from harness import link_or_copy  # noqa: E402
 
 
 def main(src: str, dst: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import platform
 import statistics
 import subprocess
@@ -93,3 +94,17 @@ def p90(xs) -> float:
         return float("nan")
     # nearest-rank on the sorted sample (with few prompts this is the largest or second largest)
     return xs[min(len(xs) - 1, int(0.9 * len(xs) + 0.5) - 1)] if len(xs) > 1 else xs[0]
+
+
+LINK_ABOVE = 64 * 2**20   # files larger than this are linked, not copied
+
+
+def link_or_copy(src_dir: Path, dst_dir: Path, skip=frozenset()) -> None:
+    """Recreate src_dir's files under dst_dir: large ones hard-linked (ONNX Runtime refuses external
+    data outside the model's folder, symlinks included), small ones copied; `skip`: resolved paths."""
+    for f in sorted(src_dir.rglob("*")):
+        if f.is_dir() or f.resolve() in skip:
+            continue
+        target = dst_dir / f.relative_to(src_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (os.link if f.stat().st_size > LINK_ABOVE else shutil.copy2)(f, target)

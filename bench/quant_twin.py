@@ -1,4 +1,4 @@
-"""A twin of a bundle whose target is quantized, for side-by-side benchmarks (issue 6).
+"""A twin of a bundle whose target is quantized, for side-by-side benchmarks.
 
     .venv/bin/python bench/quant_twin.py models/default models/default-int4 --target-quant int4
 
@@ -8,7 +8,7 @@ the quant-bit version of SRC's target graph (export/quantize.py: the same quanti
 says which precision it is, and spectr-edge's lossless promise for DST is with respect to that
 quantized target. Re-exporting from the GGUF with `spectr-edge export --target-quant int4`
 gives the same graph; this skips the ~3-minute float32 export. Peak memory of the int4
-quantizer on the 1.5B target: ~22 GB (../shared/MODELS.md): run nothing else meanwhile.
+quantizer on the 1.5B target: ~22 GB: run nothing else meanwhile.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spectr_edge_export import onnx_export, quantize  # noqa: E402
-from tree_twin import link_or_copy  # noqa: E402
+from harness import link_or_copy  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     ap.add_argument("dst")
     ap.add_argument("--target-quant", choices=["int8", "int4", "w8a8"], default="int4")
     ap.add_argument("--block-size", type=int, default=quantize.INT4_BLOCK_SIZE, help="int4: weights per scale")
-    ap.add_argument("--symmetric", action="store_true", help="int4: no zero points (the layout before stop 12)")
+    ap.add_argument("--symmetric", action="store_true", help="int4: no zero points (symmetric blocks)")
     args = ap.parse_args(argv)
     src, dst = Path(args.src).resolve(), Path(args.dst)
     if dst.exists():

@@ -253,7 +253,7 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
                   preset: str | None = None, target_quant: str = "none", draft_quant: str = "none",
                   overwrite: bool = False, tree_mask: bool = True, logits_keep: bool = True,
                   int4_block_size: int = quantize.INT4_BLOCK_SIZE,
-                  lookup_conversation_tokens: int = ngram_table.CONVERSATION_TOKENS,
+                  lookup_conversation_tokens: int | None = None,
                   guess_head: bool | None = None, log: Callable[[str], None] = _stderr) -> Path:
     """Export a target (and optional draft, or "self" = quantized target) into a bundle at out.
 
@@ -264,7 +264,9 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
     (export/logits_keep.py; False writes graphs as exports before 2026-12-02 did).
     int4_block_size: weights per scale and zero point of int4 graphs (32, 64, 128 or 256).
     lookup_conversation_tokens: tokens of conversation sampled from the draft (else the target) for
-    prompt lookup's next-token table (spectr_edge/self_text.py; 0 = library source only).
+    prompt lookup's next-token table (spectr_edge/self_text.py; 0 = library source only). None: the
+    table's full 65,536 tokens for quantized targets, whose default drafter (prompt lookup alone)
+    reads it, and none for float targets, whose default (lookup before the draft model) never does.
     guess_head: train the target's guess head on that conversation (at least head.HEAD_TOKENS of it
     are sampled) and write it into the target graph (export/guess_head.py); None: for quantized
     targets only, whose default drafter (prompt lookup) uses it.
@@ -275,6 +277,8 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
     quantize.check_block_size(int4_block_size)   # before anything is written
     if guess_head is None:
         guess_head = plan.target_quant != "none"
+    if lookup_conversation_tokens is None:
+        lookup_conversation_tokens = ngram_table.CONVERSATION_TOKENS if plan.target_quant != "none" else 0
     sampled = max(lookup_conversation_tokens, head.HEAD_TOKENS if guess_head else 0)
     progress = Progress(log, _total_steps(plan, tree_mask) + (sampled > 0) + guess_head)
     t_start = time.perf_counter()

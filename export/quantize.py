@@ -4,17 +4,17 @@ activations (w8a8, written here).
     quantize(src, dst, "int8" | "int4" | "w8a8")
 
 int8: MatMulNBits with 8-bit weights, 128 per block with a scale and a zero point, accuracy_level
-4 (int8 activations quantized per row and block inside the kernel), since stop 16. Before, int8 was
-quantize_dynamic (MatMulInteger after DynamicQuantizeLinear), whose activation scale is one per
-tensor, i.e. per call over all its rows: a token's logits then depended on the other tokens scored
-with it, so speculative greedy output drifted from target-only greedy (74 of 96 generations on
-the 1.5B target differed, bench/RESULTS.md section 00000000). MatMulNBits keeps rows independent
-(the same padding rules as int4 make every call compute the same numerics).
+4 (int8 activations quantized per row and block inside the kernel). onnxruntime's quantize_dynamic
+(MatMulInteger after DynamicQuantizeLinear) is not used: its activation scale is one per tensor,
+i.e. per call over all its rows, so a token's logits would depend on the other tokens scored with
+it and speculative greedy output would drift from target-only greedy (74 of 96 generations on the
+1.5B target differed, bench/RESULTS.md). MatMulNBits keeps rows independent (the same padding
+rules as int4 make every call compute the same numerics).
 int4: MatMulNBits (accuracy_level 4: int8 activations in the kernel), by default 128 weights per
 block with a scale and a zero point each (the "g128" layout of GPTQ/AWQ checkpoints). On the 2-core
-CPU a decode of the 1.5B target costs 35 ms at block 128 against 47 ms at block 32 (symmetric, the
-layout before stop 12), for +0.5% perplexity (bench/RESULTS.md section 0000).
-w8a8 (since stop 18): int8 weights (one scale per output column) and int8 activations (one scale
+CPU a decode of the 1.5B target costs 35 ms at block 128 against 47 ms at block 32 (symmetric), for
++0.5% perplexity (bench/RESULTS.md, 2026-12-01).
+w8a8: int8 weights (one scale per output column) and int8 activations (one scale
 per token row), multiplied by MatMulInteger, whose integer sums are exact (int8_rowwise), with
 activation outliers first moved into the weights (SmoothQuant, alpha 0.5, statistics from 1,024
 tokens of standard-library source: activation_maxima). On the 2-core CPU it decodes the 1.5B
@@ -134,7 +134,7 @@ def _weight_bytes(model) -> int:
 
 
 def min_call_tokens(path: Path) -> int:
-    """2 when the graph's MatMulNBits (int4 or, since stop 16, int8 weights) compute with int8
+    """2 when the graph's MatMulNBits (int4 or int8 weights) compute with int8
     activations (accuracy_level 4), else 1.
 
     ONNX Runtime's CPU kernel then takes another path for a 1-row call than for 2 or more rows
@@ -192,7 +192,7 @@ def _is_w8a8(graph) -> bool:
     return any(n.op_type == "MatMulInteger" and n.name.startswith("/int8row/") for n in graph.node)
 
 
-W8A8_SMOOTHING = 0.5          # SmoothQuant's alpha; 0.35 and 0.8 measured worse or no better (stop 18)
+W8A8_SMOOTHING = 0.5          # SmoothQuant's alpha; 0.35 and 0.8 measured worse or no better (2026-12-02)
 CALIBRATION_TOKENS = 1024
 
 

@@ -1,4 +1,4 @@
-"""Make an exported decoder take a 4D attention mask, for tree verification (SPECTR.md section 5).
+"""Make an exported decoder take a 4D attention mask, for tree verification (docs/ALGORITHMS.md).
 
 An optimum export builds one boolean mask [batch, 1, new, past + new] inside the graph from
 the 2D `attention_mask` (causal and padding rules) and every layer's attention reads it.

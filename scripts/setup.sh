@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch first, pinned to the CPU build on this machine's disk, so nothing pulls a CUDA build of several GB
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[cpu,export,dev,bench]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[cpu,export,serve,dev,bench]'
 # exactly one ONNX Runtime: a venv made before the [cpu] extra may still hold the GPU build
 if .venv/bin/python -m pip show -q onnxruntime-gpu >/dev/null 2>&1; then
   echo "setup: replacing onnxruntime-gpu with the CPU build onnxruntime" >&2

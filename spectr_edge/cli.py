@@ -49,91 +49,223 @@ def main():
     """spectr-edge: lossless speculative decoding on ONNX Runtime."""
 
 
-@main.command()
-@click.argument("prompt")
-@click.option("--bundle", type=click.Path(), default=None, help="Bundle directory [default: models/default].")
-@click.option("-n", "--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
-@click.option("--seed", type=int, default=None, help="Random seed (sampling is reproducible with it; -1 = random).")
-@click.option("--chat/--no-chat", default=None, help="Apply the chat template [default: on if the bundle has one].")
-@click.option("--stop", multiple=True, help="Stop string (repeatable); it is not printed.")
-@click.option("--provider", type=PROVIDERS, default="auto", show_default=True, help="Target execution provider.")
-@click.option("--draft-provider", type=PROVIDERS, default=None, help="Draft execution provider [default: --provider].")
-@click.option("--threads", type=int, default=None, help="Intra-op threads per session [default: ORT's choice].")
-@click.option("--draft", "drafter", type=click.Choice(["none", "model", "lookup", "model+lookup"]), default=None,
-              help="Drafter: the bundle's draft model, prompt lookup (copies from the prompt and the output; no "
-                   "draft model needed), lookup with the model when lookup finds nothing, or none (target only) "
-                   "[default: what tune chose, else model+lookup greedy, model sampling, lookup on int4/int8 targets].")
-@click.option("-k", "--num-candidates", type=int, default=None,
-              help="SpecTr's k: continuations the draft model samples per step, verified together (1 = speculative "
-                   "sampling; 0 = target only; at temperature 0 they coincide).")
-@click.option("--branches", type=int, default=None,
-              help="Temperature 0, tree bundles: the draft's chain plus its next-best (N - 1) tokens at every depth "
-                   "as extra leaves.")
-@click.option("--lookup-candidates", type=int, default=None,
-              help="Prompt lookup: copied continuations verified together as one token trie (tree bundles).")
-@click.option("-L", "--draft-len", type=int, default=None,
-              help="Most tokens drafted per candidate per step (a draft tree's depth).")
-@click.option("--draft-stop", type=float, default=None,
-              help="Stop drafting when the draft's confidence in its token is below this (0 = off; lossless).")
-@click.option("--no-draft", is_flag=True, help="Target-only decoding (same as --draft none).")
-@click.option("--adaptive/--fixed-length", default=None,
-              help="Choose each step's draft length (0 = a plain step) from this generation's acceptance and the "
-                   "target's cost curve (lossless; `spectr-edge tune` measures the curve).")
-@click.option("--tree-budget", type=int, default=None,
-              help="Draft a tree of this many nodes (greedy: OPT-Tree; sampling: Sequoia; depth <= -L) and verify "
-                   "it in one call (0 = off; tree bundles).")
-@click.option("--draft-window", type=int, default=None,
-              help="The draft model reads at most this many of the prompt's latest tokens (0 = all) "
-                   "[default: 64, or what tune chose]; its prefill is the draft's largest cost on long prompts.")
-@click.option("--stats", "show_stats", is_flag=True, help="Print timing and speculation stats to stderr.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) instead of "
-              "streaming; token_ids end with the token in which a stop string starts.")
-def generate(prompt, bundle, max_new_tokens, temperature, top_k, top_p, seed, chat, stop, provider,
-             draft_provider, threads, drafter, num_candidates, branches, lookup_candidates, draft_len, draft_stop,
-             no_draft, adaptive, tree_budget, draft_window, show_stats, as_json):
-    """Generate a completion of PROMPT ('-' reads it from stdin)."""
-    from .generator import GenerationResult
+def _options(*decorators):
+    def apply(f):
+        for d in reversed(decorators):
+            f = d(f)
+        return f
+    return apply
 
-    if prompt == "-":
-        # bytes, decoded as the shell would pass them: text that is not UTF-8 gets a clear error later
-        prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
-    if no_draft:
-        if drafter not in (None, "none"):
-            raise click.UsageError(f"--no-draft and --draft {drafter} contradict each other; pick one")
-        drafter = "none"
-    if num_candidates is not None and num_candidates < 0:
-        raise click.BadParameter("must be >= 0", param_hint="--num-candidates")
+
+SAMPLING = _options(
+    click.option("-n", "--max-new-tokens", type=int, default=256, show_default=True),
+    click.option("--temperature", "--temp", "temperature", type=float, default=0.0, show_default=True,
+                 help="0 = greedy."),
+    click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
+    click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off."),
+    click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+                 help="OpenAI's: minus this for every token the output already holds (0 = off)."),
+    click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+                 help="OpenAI's: minus this times the token's count in the output (0 = off)."),
+    click.option("--repetition-penalty", "--repeat-penalty", "repetition_penalty", type=float, default=1.0,
+                 show_default=True, help="HF's: tokens of the prompt and output are less likely (1 = off)."),
+    click.option("--seed", type=int, default=None, help="Random seed (sampling is reproducible with it; -1 = random)."),
+    click.option("--stop", multiple=True, help="Stop string (repeatable); it is not printed."),
+)
+
+SPECULATION = _options(
+    click.option("--draft", "drafter", type=click.Choice(["none", "model", "lookup", "model+lookup"]), default=None,
+                 help="Drafter: the bundle's draft model, prompt lookup (copies from the prompt and the output; no "
+                      "draft model needed), lookup with the model when lookup finds nothing, or none (target only) "
+                      "[default: what tune chose, else model+lookup greedy, model sampling, lookup on int4/int8 "
+                      "targets]."),
+    click.option("-k", "--num-candidates", type=int, default=None,
+                 help="SpecTr's k: continuations the draft model samples per step, verified together (1 = "
+                      "speculative sampling; 0 = target only; at temperature 0 they coincide)."),
+    click.option("--branches", type=int, default=None,
+                 help="Temperature 0, tree bundles: the draft's chain plus its next-best (N - 1) tokens at every "
+                      "depth as extra leaves."),
+    click.option("--lookup-candidates", type=int, default=None,
+                 help="Prompt lookup: copied continuations verified together as one token trie (tree bundles)."),
+    click.option("-L", "--draft-len", "--draft-max", "draft_len", type=int, default=None,
+                 help="Most tokens drafted per candidate per step (a draft tree's depth)."),
+    click.option("--draft-stop", "--draft-p-min", "draft_stop", type=float, default=None,
+                 help="Stop drafting when the draft's confidence in its token is below this (0 = off; lossless)."),
+    click.option("--no-draft", is_flag=True, help="Target-only decoding (same as --draft none)."),
+    click.option("--adaptive/--fixed-length", default=None,
+                 help="Choose each step's draft length (0 = a plain step) from this generation's acceptance and the "
+                      "target's cost curve (lossless; `spectr-edge tune` measures the curve)."),
+    click.option("--tree-budget", type=int, default=None,
+                 help="Draft a tree of this many nodes (greedy: OPT-Tree; sampling: Sequoia; depth <= -L) and verify "
+                      "it in one call (0 = off; tree bundles)."),
+    click.option("--draft-window", type=int, default=None,
+                 help="The draft model reads at most this many of the prompt's latest tokens (0 = all) "
+                      "[default: 64, or what tune chose]; its prefill is the draft's largest cost on long prompts."),
+)
+
+EXECUTION = _options(
+    click.option("--bundle", type=click.Path(), default=None, help="Bundle directory [default: models/default]."),
+    click.option("--provider", type=PROVIDERS, default="auto", show_default=True, help="Target execution provider."),
+    click.option("--draft-provider", type=PROVIDERS, default=None,
+                 help="Draft execution provider [default: --provider]."),
+    click.option("--threads", type=int, default=None, help="Intra-op threads per session [default: ORT's choice]."),
+)
+
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seed", "stop")
+POLICY_ARGS = ("drafter", "num_candidates", "branches", "lookup_candidates", "draft_len", "draft_stop", "adaptive",
+               "tree_budget")
+
+
+def _load(kw: dict, prefix_cache: bool = True, every_policy: bool = False):
+    """The Generator for the command's execution and speculation options (the draft is not even loaded
+    when the policy needs none); returns it and the decoding options (checked)."""
     from .bundle import read_bundle
     from .generator import Generator
 
-    b = read_bundle(bundle)
-    policy = dict(drafter=drafter, num_candidates=num_candidates, branches=branches,
-                  lookup_candidates=lookup_candidates, draft_len=draft_len, draft_stop=draft_stop, adaptive=adaptive,
-                  tree_budget=tree_budget)
-    gen = Generator(b, provider=provider, draft_provider=draft_provider, threads=threads,
-                    load_draft=_needs_draft(b, temperature, policy))
-    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   draft_window=draft_window, **policy)
-    gen.options(**options)        # every option checked before anything is printed
-    if num_candidates and num_candidates > 1 and temperature == 0 and drafter != "lookup":
-        click.echo(f"note: at temperature 0 the draft's {num_candidates} candidates coincide, so one chain is "
-                   f"drafted; --branches {num_candidates} adds the draft's next-best tokens as leaves", err=True)
-    options.update(seed=seed, chat=chat, stop=stop)
+    if kw.pop("no_draft"):
+        if kw["drafter"] not in (None, "none"):
+            raise click.UsageError(f"--no-draft and --draft {kw['drafter']} contradict each other; pick one")
+        kw["drafter"] = "none"
+    if kw["num_candidates"] is not None and kw["num_candidates"] < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--num-candidates")
+    b = read_bundle(kw.pop("bundle"))
+    policy = {k: kw.pop(k) for k in POLICY_ARGS}
+    gen = Generator(b, provider=kw.pop("provider"), draft_provider=kw.pop("draft_provider"), threads=kw.pop("threads"),
+                    load_draft=every_policy or _needs_draft(b, kw["temperature"], policy), prefix_cache=prefix_cache)
+    options = {**{k: kw.pop(k) for k in SAMPLING_KEYS}, "draft_window": kw.pop("draft_window"), **policy}
+    gen.options(**{k: v for k, v in options.items() if k not in ("seed", "stop")})   # checked before any output
+    k = policy["num_candidates"]
+    if k and k > 1 and options["temperature"] == 0 and policy["drafter"] != "lookup":
+        click.echo(f"note: at temperature 0 the draft's {k} candidates coincide, so one chain is drafted; "
+                   f"--branches {k} adds the draft's next-best tokens as leaves", err=True)
+    return gen, options
+
+
+def _read_prompt(prompt, prompt_option, prompt_file) -> str:
+    """The prompt from exactly one of: the argument ('-' = stdin), -p/--prompt, -f/--file."""
+    given = [p for p in (prompt, prompt_option, prompt_file) if p is not None]
+    if len(given) != 1:
+        raise click.UsageError("give the prompt once: as an argument, with -p/--prompt, or with -f/--file "
+                               "(- reads stdin)")
+    if prompt_file is not None:
+        try:
+            data = sys.stdin.buffer.read() if prompt_file == "-" else Path(prompt_file).read_bytes()
+        except OSError as err:
+            raise click.BadParameter(f"cannot read {prompt_file} ({err.strerror})", param_hint="--file") from None
+        return data.decode("utf-8", "surrogateescape")
+    text = prompt if prompt is not None else prompt_option
+    if text == "-":
+        # bytes, decoded as the shell would pass them: text that is not UTF-8 gets a clear error later
+        return sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
+    return text
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("-p", "--prompt", "prompt_option", default=None, help="The prompt (instead of the argument).")
+@click.option("-f", "--file", "prompt_file", default=None, help="Read the prompt from this file ('-': stdin).")
+@EXECUTION
+@SAMPLING
+@click.option("--chat/--no-chat", default=None, help="Apply the chat template [default: on if the bundle has one].")
+@SPECULATION
+@click.option("--stats", "show_stats", is_flag=True, help="Print timing and speculation stats to stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) instead of "
+              "streaming; token_ids end with the token in which a stop string starts.")
+def generate(prompt, prompt_option, prompt_file, chat, show_stats, as_json, **kw):
+    """Generate a completion of PROMPT ('-' reads it from stdin)."""
+    from .generator import GenerationResult
+
+    prompt = _read_prompt(prompt, prompt_option, prompt_file)
+    gen, options = _load(kw, prefix_cache=False)
     result = GenerationResult("", [])
     if as_json:
-        result = gen.generate(prompt, **options)
+        result = gen.generate(prompt, chat=chat, **options)
         click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids,
                                "stats": result.stats.to_dict()}, ensure_ascii=False))
     else:
-        for piece in gen.stream(prompt, result, **options):
+        for piece in gen.stream(prompt, result, chat=chat, **options):
             click.echo(piece, nl=False)
             sys.stdout.flush()
         click.echo()
     if show_stats:
         click.echo(result.stats.summary(), err=True)
+
+
+@main.command()
+@EXECUTION
+@SAMPLING
+@SPECULATION
+@click.option("--system", default=None, help="A system message that opens the conversation.")
+@click.option("--stats", "show_stats", is_flag=True, help="Print each answer's stats (time to first token...).")
+def chat(system, show_stats, **kw):
+    """An interactive conversation: type a message, read the answer; Ctrl-D or /exit ends it.
+
+    The conversation's KV cache is kept between turns, so each turn prefills only what it adds."""
+    from .generator import GenerationResult
+
+    gen, options = _load(kw)
+    messages = [{"role": "system", "content": system}] if system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            click.echo("> ", nl=False, err=True)
+        line = sys.stdin.buffer.readline()
+        if not line:
+            break
+        text = line.decode("utf-8", "surrogateescape").rstrip("\n")
+        if text.strip() in ("/exit", "/quit"):
+            break
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        result = GenerationResult("", [])
+        try:
+            for piece in gen.chat_stream(messages, result, **options):
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+        except SpectrError as err:         # one bad turn (too long...) does not end the conversation
+            messages.pop()
+            click.echo(f"error: {err}", err=True)
+            continue
+        click.echo()
+        messages.append({"role": "assistant", "content": result.text})
+        if show_stats:
+            click.echo(result.stats.summary() + f"\nprompt tokens reused from the cache: {result.stats.cached_tokens}",
+                       err=True)
+
+
+@main.command()
+@EXECUTION
+@SPECULATION
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (127.0.0.1: this machine only).")
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--model-name", default=None, help="The model name clients see [default: the bundle's name].")
+@click.option("--max-queue", type=click.IntRange(min=0), default=16, show_default=True,
+              help="Requests that may wait for their turn; more get HTTP 429.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="The most new tokens one request may ask for.")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Keep recent conversations' KV caches so a next turn prefills only its new tokens.")
+def serve(host, port, model_name, max_queue, max_tokens, prefix_cache, **kw):
+    """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).
+
+    Speculation options given here are the server's defaults; a request may override them in its
+    "speculation" field."""
+    import importlib.util
+
+    if importlib.util.find_spec("starlette") is None or importlib.util.find_spec("uvicorn") is None:
+        _fail("spectr-edge serve needs the serve extra: pip install 'spectr-edge[serve]'")
+    from .server import ServerSettings, serve as run_server
+
+    for key in SAMPLING_KEYS:              # sampling comes from each request
+        kw.setdefault(key, {"temperature": 1.0, "max_new_tokens": 16, "stop": ()}.get(key))
+    gen, options = _load(kw, prefix_cache=prefix_cache, every_policy=True)
+    speculation = {k: options[k] for k in POLICY_ARGS + ("draft_window",) if options[k] is not None}
+    settings = ServerSettings(model_name=model_name or gen.bundle.name, max_queue=max_queue, max_tokens=max_tokens,
+                              speculation=speculation)
+    click.echo(f"serving {gen.bundle.path} as '{settings.model_name}' on http://{host}:{port}/v1", err=True)
+    run_server(gen, host, port, settings)
 
 
 def _needs_draft(b, temperature, policy: dict) -> bool:
@@ -281,10 +413,10 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
 @click.option("--guess-head/--no-guess-head", default=None,
               help="Train the target's guess head at export [default: for int4/int8/w8a8 targets, whose "
                    "default drafter uses it; ~9 min more].")
-@click.option("--lookup-conversation-tokens", type=click.IntRange(min=0), default=CONVERSATION_TOKENS,
-              show_default=True,
-              help="Tokens of conversation sampled from the draft model (else the target) for that table, "
-                   "beside the Python library's source (~7 min for the default on 2 cores; 0 = library only).")
+@click.option("--lookup-conversation-tokens", type=click.IntRange(min=0), default=None,
+              help="Tokens of conversation sampled from the draft model (else the target) for prompt lookup's "
+                   "next-token table, beside the Python library's source (0 = library only) [default: 65,536 "
+                   "(~7 min on 2 cores) for quantized targets, whose default drafter reads the table; 0 otherwise].")
 def export(target, draft, preset, out, target_quant, draft_quant, int4_block_size, overwrite, no_tree_mask,
            add_tree_mask, add_lookup_table, add_guess_head, guess_head, lookup_conversation_tokens):
     """Export a target (and draft) model into a bundle."""
@@ -314,7 +446,8 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
         from .bundle import read_bundle
         from .ngram_table import add_lookup_table as add_table
         read_bundle(out)                           # a clear error for a missing or corrupt bundle
-        add_table(out, log=click.echo, conversation_tokens=lookup_conversation_tokens)
+        add_table(out, log=click.echo, conversation_tokens=CONVERSATION_TOKENS if lookup_conversation_tokens is None
+                  else lookup_conversation_tokens)
         return
     if add_tree_mask:
         if preset or target:

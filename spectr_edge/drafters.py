@@ -29,7 +29,7 @@ import numpy as np
 
 from .lookup import GUESS, PromptLookup
 from .policy import AdaptiveLength, CostCurve
-from .sampling import greedy_token, logits_to_probs, sample
+from .sampling import TokenHistory, greedy_token, logits_to_probs, sample
 from .stats import GenerationStats
 from .trees import DraftTree, SequoiaShape, top_ids
 
@@ -80,6 +80,14 @@ class Step:
     rng: np.random.Generator
     stats: GenerationStats
     guess: int | None = None                   # the target guess head's token for after ids[-1], if any
+    history: TokenHistory | None = None        # with penalties: the committed tokens they read
+
+    def processed(self, logits: np.ndarray, paths) -> np.ndarray:
+        """Draft logits # [rows, W] with penalties applied from each row's path of drafted tokens
+        (the draft then proposes from the same processed distribution the target is verified with)."""
+        if self.history is None:
+            return logits
+        return np.stack([self.history.penalize(row, self.sampling, path) for row, path in zip(logits, paths)])
 
 
 PLAIN = Proposal([], WALK, chose_last=True)     # the target alone chooses the next token
@@ -90,8 +98,9 @@ class NoDraft:
 
     wants_guess = False
 
-    def start(self, ids: list[int], window: int) -> None:
-        pass
+    def start(self, ids: list[int], window: int, reused=None) -> None:
+        """A new generation, after the prefill; `reused`: the prefix-cache entry the target's cache
+        came from (prefix_cache.CachedPrefix), whose draft cache may serve too."""
 
     def propose(self, step: Step) -> Proposal:
         return PLAIN
@@ -99,14 +108,21 @@ class NoDraft:
     def update(self, proposal: Proposal, outcome: Outcome) -> None:
         pass
 
+    def draft_state(self) -> tuple:
+        """(the draft model's cache, tokens it has read) to keep with the target's, or (None, 0)."""
+        return None, 0
+
 
 class _ModelDrafter(NoDraft):
     """A drafter of the draft model's: starts its cache after the prefill."""
 
     draft: "DraftModel"
 
-    def start(self, ids: list[int], window: int) -> None:
-        self.draft.start(len(ids), window)
+    def start(self, ids: list[int], window: int, reused=None) -> None:
+        self.draft.start(ids, window, reused)
+
+    def draft_state(self) -> tuple:
+        return self.draft.cache, self.draft.seen
 
 
 # -- the draft model ---------------------------------------------------------------------------------
@@ -128,12 +144,20 @@ class DraftModel:
         self.lm, self.vocab_size, self.costs = lm, vocab_size, costs
         self.cache, self.seen = None, 0
 
-    def start(self, prompt_len: int, window: int) -> None:
-        """A new generation; `prompt_len` committed ids after the prefill's first token."""
-        self.cache, self.seen = self.lm.new_cache(), 0
-        if window > 0:
-            # its prefill is the largest draft cost on long prompts, and what it drafts never changes the law
-            self.seen = self.cache.offset = max(0, prompt_len - 1 - window)
+    def start(self, ids: list[int], window: int, reused=None) -> None:
+        """A new generation; `ids` = the prompt and the prefill's first token. With a window the draft
+        reads the prompt's latest `window` tokens only: its prefill is the largest draft cost on long
+        prompts, and what it drafts never changes the law. A reused entry's draft cache serves when it
+        starts where this generation's window starts; it keeps the tokens shared with the prompt."""
+        offset = max(0, len(ids) - 1 - window) if window > 0 else 0
+        if reused is not None and reused.draft is not None and reused.draft.offset == offset:
+            seen = min(reused.draft_seen, len(reused.tokens))
+            if seen > offset:
+                self.cache, self.seen = reused.draft, seen
+                self.cache.crop(seen - offset)
+                return
+        self.cache, self.seen = self.lm.new_cache(), offset
+        self.cache.offset = offset
 
     def charge(self, stats: GenerationStats, calls: int, units: float) -> None:
         stats.draft_calls += calls
@@ -150,12 +174,12 @@ class DraftModel:
         ids, sampling, rng, cache = step.ids, step.sampling, step.rng, self.cache
         alts = []
         catch_up = np.asarray([ids[self.seen:]], dtype=np.int64)             # [1, unseen]
-        logits = self.lm.forward(catch_up, cache, last=1)[:, -1]              # [1, W]
+        logits = step.processed(self.lm.forward(catch_up, cache, last=1)[:, -1], [[]])   # [1, W]
         tokens = np.empty((num_candidates, draft_len), dtype=np.int64)        # [k, L]
         probs = None
         for j in range(draft_len):
             if j > 0:
-                logits = self.lm.forward(tokens[:, j - 1:j], cache)[:, 0]     # [k, W]
+                logits = step.processed(self.lm.forward(tokens[:, j - 1:j], cache)[:, 0], tokens[:, :j])  # [k, W]
             if sampling.greedy:
                 tokens[:, j] = greedy_token(logits, self.vocab_size)
                 if alternatives:
@@ -304,6 +328,8 @@ class OptTree(_ModelDrafter):
         logits, base = self.draft.tree_root(step)                 # [1, W]
         frontier = [0]
         for depth in range(1, max_depth + 1):
+            if step.history is not None:
+                logits = step.processed(logits, [tree.path(n) for n in frontier])
             new = tree.grow(frontier, logits[:, :self.draft.vocab_size])
             if not new or depth == max_depth:
                 break
@@ -333,6 +359,8 @@ class SequoiaTree(OptTree):
         frontier, shape_of = [0], {0: 0}                   # tree node -> shape node
         for depth in range(1, max_depth + 1):
             new = []
+            if step.history is not None:
+                logits = step.processed(logits, [tree.path(n) for n in frontier])
             probs = logits_to_probs(logits, sampling, vocab)                      # [f, W]
             for fi, node in enumerate(frontier):
                 width = shape.children[shape_of[node]]
@@ -413,8 +441,11 @@ class LookupFirst:
         self.lookup, self.model, self.adaptive = lookup, model, adaptive
         self.wants_guess = lookup.wants_guess
 
-    def start(self, ids: list[int], window: int) -> None:
-        self.model.start(ids, window)
+    def start(self, ids: list[int], window: int, reused=None) -> None:
+        self.model.start(ids, window, reused)
+
+    def draft_state(self) -> tuple:
+        return self.model.draft_state()
 
     def propose(self, step: Step) -> Proposal:
         proposal = self.lookup.propose(step)

@@ -28,7 +28,8 @@ from .lookup import PromptLookup
 from .onnx_model import OnnxLM
 from .options import DecodeOptions
 from .policy import AdaptiveLength, CostCurve
-from .sampling import SamplingParams, greedy_token, logits_to_probs, sample
+from .prefix_cache import CachedPrefix, PrefixCache
+from .sampling import SamplingParams, TokenHistory, greedy_token, logits_to_probs, sample
 from .stats import GenerationStats
 from .trees import SequoiaShape, TokenTrie
 
@@ -69,6 +70,23 @@ def _sequoia(p: Proposal, s: Scored, sampling, vocab, rng) -> Outcome:
     return Outcome(*selection.sequoia_walk(p.tree, s.trie, s.node_logits, sampling, vocab, rng))
 
 
+def _penalized(s: Scored, rows: list[list[int]], history: TokenHistory, sampling: SamplingParams) -> Scored:
+    """The scored logits with penalties applied at every position from the tokens before it: a trie
+    node's path from the root, a replicated row's tokens before the position."""
+    if s.replicated:
+        logits = np.stack([[history.penalize(s.row_logits[r, j], sampling, rows[r][:j])
+                            for j in range(s.row_logits.shape[1])] for r in range(len(rows))])   # [u, L+1, W]
+        return Scored(s.trie, None, logits, s.row_of, True, s.tokens)
+    trie = s.trie
+    paths = [[]]
+    for node in range(1, trie.tokens.size):        # a parent's index is smaller: its path is ready
+        paths.append(paths[trie.parent[node]] + [int(trie.tokens[node])])
+    node_logits = np.stack([history.penalize(s.node_logits[n], sampling, paths[n]) for n in range(len(paths))])
+    view = trie.row_view(node_logits) if trie.node_of is not None else None
+    chain_view = node_logits[None] if len(rows) <= 1 else view
+    return Scored(trie, node_logits, chain_view, s.row_of, False, s.tokens)
+
+
 # the rule each proposal names -> how its outcome is read (selection.py holds the rules themselves);
 # at temperature 0 every proposal is verified by the exact greedy walk
 RULES = {GREEDY: _greedy, KSEQ: _kseq, ONE_HOT: _one_hot, WALK: _walk, SEQUOIA: _sequoia}
@@ -86,6 +104,7 @@ class Engine:
         # a draft call over k rows, relative to one row (MatMulNBits cost grows with rows like with tokens)
         self.draft_rows = draft_rows or CostCurve.for_quant(draft.spec.quant if draft is not None else "none")
         self.lookup_table = None          # ngram_table.NgramTable: prompt lookup's guess when nothing matches
+        self.prefixes: PrefixCache | None = PrefixCache()   # recent generations' caches, for prefix reuse
         self.context_length = target.spec.context_length
         if draft is not None:
             self.context_length = min(self.context_length, draft.spec.context_length)
@@ -151,42 +170,68 @@ class Engine:
 
     def _decode(self, ids: list[int], opts: DecodeOptions, rng, stats: GenerationStats) -> Iterator[list[int]]:
         drafter, sampling = self.drafter(opts, stats), opts.sampling
-        cache = self.target.new_cache()
-        ids.append(self._prefill(ids, cache, sampling, rng, stats))
-        drafter.start(ids, opts.draft_window)
+        history = TokenHistory(ids) if sampling.penalized else None       # what penalties read
+        cache, reused = self._cache_for(ids, stats)
+        ids.append(self._prefill(ids, cache, sampling, rng, stats, history))
+        drafter.start(ids, opts.draft_window, reused)
         wants_guess = drafter.wants_guess and self.target.spec.guess is not None
         guess = self.target.guess_after(-1) if wants_guess else None
-        yield [ids[-1]]
-        emitted, clock = 1, time.perf_counter
+        emitted, clock, clean = 1, time.perf_counter, True
         rule = (lambda p: GREEDY) if sampling.greedy else (lambda p: p.rule)   # temperature 0: the exact walk
-        while len(ids) < self.context_length:
-            # a step emits up to L + 1 tokens; never draft past the budget or the context
-            budget = min(opts.max_new_tokens - emitted - 1, self.context_length - len(ids) - 1)
-            t0 = clock()
-            proposal = drafter.propose(Step(ids, budget, sampling, rng, stats, guess))           # 1. propose
-            t1 = clock()
-            scored = self._score(ids, cache, proposal, stats)                                    # 2. score
-            t2 = clock()
-            outcome = RULES[rule(proposal)](proposal, scored, sampling, self.vocab_size, rng)    # 3. select
-            t3 = clock()
-            self._commit(ids, cache, scored, outcome)                                            # 4. commit
-            drafter.update(proposal, outcome)                                                    # 5. update
-            stats.record_step(proposal.rows, proposal.kind, scored.tokens, scored.trie.tokens.size - 1,
-                              outcome.accepted)
-            stats.add_times(propose=t1 - t0, score=t2 - t1, select=t3 - t2, commit=clock() - t3)
-            if wants_guess:
-                guess = self.target.guess_after(len(outcome.tokens) - 1) if proposal.chose_last else None
-            ids.extend(outcome.tokens)
-            emitted += len(outcome.tokens)
-            yield outcome.tokens
+        try:
+            yield [ids[-1]]
+            while len(ids) < self.context_length:
+                clean = False
+                # a step emits up to L + 1 tokens; never draft past the budget or the context
+                budget = min(opts.max_new_tokens - emitted - 1, self.context_length - len(ids) - 1)
+                t0 = clock()
+                proposal = drafter.propose(Step(ids, budget, sampling, rng, stats, guess, history))   # 1. propose
+                t1 = clock()
+                scored = self._score(ids, cache, proposal, stats, sampling, history)                 # 2. score
+                t2 = clock()
+                outcome = RULES[rule(proposal)](proposal, scored, sampling, self.vocab_size, rng)     # 3. select
+                t3 = clock()
+                self._commit(ids, cache, scored, outcome)                                             # 4. commit
+                drafter.update(proposal, outcome)                                                     # 5. update
+                stats.record_step(proposal.rows, proposal.kind, scored.tokens, scored.trie.tokens.size - 1,
+                                  outcome.accepted)
+                stats.add_times(propose=t1 - t0, score=t2 - t1, select=t3 - t2, commit=clock() - t3)
+                if wants_guess:
+                    guess = self.target.guess_after(len(outcome.tokens) - 1) if proposal.chose_last else None
+                ids.extend(outcome.tokens)
+                if history is not None:
+                    history.extend(outcome.tokens)
+                emitted += len(outcome.tokens)
+                clean = True
+                yield outcome.tokens
+        finally:
+            if clean and self.prefixes is not None:      # between steps: both caches hold what they say
+                self.prefixes.put(CachedPrefix(tuple(ids[:-1]), cache, *drafter.draft_state()))
 
-    def _prefill(self, ids: list[int], cache, sampling: SamplingParams, rng, stats: GenerationStats) -> int:
-        """Run the prompt through the target; the first new token."""
-        logits = self.target.forward(np.asarray([ids], dtype=np.int64), cache, last=1)    # [1, <=P, W]
+    def _cache_for(self, ids: list[int], stats: GenerationStats):
+        """The target cache to prefill `ids` into: a cached prefix of them when one is kept (cropped to
+        the shared tokens), else a new cache. Returns it and the reused entry (None: nothing reused)."""
+        entry, common = self.prefixes.take(ids) if self.prefixes is not None else (None, 0)
+        if entry is None:
+            return self.target.new_cache(), None
+        entry.target.crop(common)
+        stats.cached_tokens = common
+        entry.tokens = entry.tokens[:common]
+        return entry.target, entry
+
+    def _prefill(self, ids: list[int], cache, sampling: SamplingParams, rng, stats: GenerationStats,
+                 history: TokenHistory | None = None) -> int:
+        """Run the prompt's tokens the cache does not hold through the target; the first new token."""
+        new = np.asarray([ids[cache.length:]], dtype=np.int64)                       # [1, P - cached]
+        logits = self.target.forward(new, cache, last=1)[0, -1]                        # [W]
         stats.target_calls += 1
         t0 = time.perf_counter()
-        first = self._choose(logits[0, -1], sampling, rng)
+        if history is not None:
+            logits = history.penalize(logits, sampling)
+        first = self._choose(logits, sampling, rng)
         stats.add_times(select=time.perf_counter() - t0)
+        if history is not None:
+            history.extend([first])
         return first
 
     def _choose(self, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:
@@ -194,8 +239,10 @@ class Engine:
             return int(greedy_token(logits, self.vocab_size))
         return int(sample(logits_to_probs(logits, sampling, self.vocab_size), rng))
 
-    def _score(self, ids: list[int], cache, proposal: Proposal, stats: GenerationStats) -> Scored:
-        """One target call over the whole proposal (rows after the last committed token ids[-1])."""
+    def _score(self, ids: list[int], cache, proposal: Proposal, stats: GenerationStats, sampling: SamplingParams,
+               history: TokenHistory | None = None) -> Scored:
+        """One target call over the whole proposal (rows after the last committed token ids[-1]); with
+        penalties, each position's logits are penalized from its own prefix."""
         root, rows, row_of = ids[-1], proposal.rows, None
         if proposal.rule == KSEQ:           # k i.i.d. rows, duplicates allowed: score each distinct row once
             distinct, row_of = np.unique(np.asarray(rows), axis=0, return_inverse=True)   # [u, L], [k]
@@ -214,7 +261,7 @@ class Engine:
             scored = Scored(trie, None, self.target.forward(x, cache), row_of, True, x.size)   # [u, L+1, W]
         stats.target_calls += 1
         stats.cost_units += self.cost(scored.tokens)
-        return scored
+        return scored if history is None else _penalized(scored, rows, history, sampling)
 
     @staticmethod
     def _commit(ids: list[int], cache, scored: Scored, outcome: Outcome) -> None:

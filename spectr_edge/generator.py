@@ -1,8 +1,17 @@
-"""The Python API: `load()` a bundle, then `generate`, `stream` or `generate_ids`."""
+"""The Python API: `load()` a bundle, then `generate` / `stream` a prompt, `chat` / `chat_stream` a
+conversation (OpenAI-style messages), `generate_ids` raw token ids; `agenerate`, `astream`, `achat`,
+`achat_stream` for asyncio applications.
+
+One Generator may be used from several threads: generations take turns (a lock is held from a
+generation's first step to its end), so each sees the models alone. Between generations it keeps
+the KV caches of the latest ones (prefix_cache.py): a conversation's next turn prefills only what
+it adds."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -18,6 +27,7 @@ from .ngram_table import NgramTable
 from .onnx_model import OnnxLM, TensorRTSettings
 from .options import DEFAULT_MAX_NEW_TOKENS, DecodeOptions, resolve, tuned_options  # noqa: F401 (API)
 from .policy import CostCurve, default_draft_cost
+from .prefix_cache import PrefixCache
 from .stats import GenerationStats
 from .text import TextCodec, TextStream
 
@@ -39,7 +49,8 @@ class Generator:
     built-in defaults)."""
 
     def __init__(self, bundle: Bundle, provider: str = "auto", draft_provider: str | None = None,
-                 threads: int | None = None, load_draft: bool = True, tensorrt: TensorRTSettings | None = None):
+                 threads: int | None = None, load_draft: bool = True, tensorrt: TensorRTSettings | None = None,
+                 prefix_cache: bool | PrefixCache = True):
         threads = check.threads(threads)
         self.bundle = bundle
         self.codec = TextCodec(bundle.tokenizer)
@@ -59,6 +70,10 @@ class Generator:
         self.engine = Engine(self.target, self.draft, bundle.tokenizer.vocab_size, cost, draft_cost or 0.15,
                              draft_rows)
         self.engine.eos_ids = frozenset(bundle.tokenizer.eos_token_ids)
+        # keep the latest generations' caches (True: the defaults; a PrefixCache: its bounds; False: none)
+        self.engine.prefixes = prefix_cache if isinstance(prefix_cache, PrefixCache) else \
+            (PrefixCache() if check.flag(prefix_cache, "prefix_cache") else None)
+        self._lock = threading.Lock()
         if bundle.lookup_table is not None:
             try:
                 self.engine.lookup_table = NgramTable.load(bundle.lookup_table)
@@ -80,6 +95,38 @@ class Generator:
         Pass a GenerationResult to have it filled in (token ids, text, stats) as the stream runs."""
         yield from self._stream(prompt, result if result is not None else GenerationResult("", []), **options)
 
+    def chat(self, messages: list[dict], **options) -> GenerationResult:
+        """The assistant's next message after `messages` ([{"role": "system" | "user" | "assistant",
+        "content": str}, ...], rendered with the bundle's chat template); same options as `generate`."""
+        result = GenerationResult("", [])
+        for _ in self._text(self._chat_ids(messages), result, **options):
+            pass
+        return result
+
+    def chat_stream(self, messages: list[dict], result: GenerationResult | None = None, **options) -> Iterator[str]:
+        """`chat` as pieces of text as they are generated."""
+        yield from self._text(self._chat_ids(messages), result if result is not None else GenerationResult("", []),
+                              **options)
+
+    # -- asyncio: the same calls, each step run in a worker thread ------------------------------
+    async def agenerate(self, prompt: str, **options) -> GenerationResult:
+        result = GenerationResult("", [])
+        async for _ in self.astream(prompt, result, **options):
+            pass
+        return result
+
+    def astream(self, prompt: str, result: GenerationResult | None = None, **options):
+        return _async_iter(self.stream(prompt, result, **options))
+
+    async def achat(self, messages: list[dict], **options) -> GenerationResult:
+        result = GenerationResult("", [])
+        async for _ in self.achat_stream(messages, result, **options):
+            pass
+        return result
+
+    def achat_stream(self, messages: list[dict], result: GenerationResult | None = None, **options):
+        return _async_iter(self.chat_stream(messages, result, **options))
+
     def generate_ids(self, prompt_ids: list[int], **options) -> GenerationResult:
         """Generate from raw token ids (no chat template, no stop strings); text is decoded for convenience."""
         result = GenerationResult("", [])
@@ -97,13 +144,21 @@ class Generator:
 
     # -- internals ----------------------------------------------------------------------------
     def _stream(self, prompt: str, result: GenerationResult, *, chat: bool | None = None,
-                stop: tuple[str, ...] | list[str] | str = (), **options) -> Iterator[str]:
+                **options) -> Iterator[str]:
         if not isinstance(prompt, str):
             raise InputError("the prompt must be a string; use generate_ids for token ids")
         if chat is not None:
             check.flag(chat, "chat")
+        yield from self._text(self.codec.encode_prompt(prompt, chat), result, **options)
+
+    def _chat_ids(self, messages) -> list[int]:
+        return self.codec.encode_chat(check.messages(messages))
+
+    def _text(self, prompt_ids: list[int], result: GenerationResult, *, stop: tuple[str, ...] | list[str] | str = (),
+              **options) -> Iterator[str]:
+        """Generate after prompt_ids, as text pieces that are safe to show (stop strings held back)."""
         text = TextStream(self.codec, check.stop_strings(stop))
-        steps = self._run(self.codec.encode_prompt(prompt, chat), result.stats, **options)
+        steps = self._run(prompt_ids, result.stats, **options)
         try:
             for tokens in steps:
                 result.token_ids.extend(tokens)
@@ -133,24 +188,44 @@ class Generator:
                              "shorten the prompt")
         rng = rng if rng is not None else np.random.default_rng(check.seed(seed))
         stats.prompt_tokens = len(prompt_ids)
-        models = [m for m in (self.target, self.draft) if m is not None]
-        before = [m.seconds for m in models]
-        started = time.perf_counter()
-        try:
-            for tokens in self.engine.run(prompt_ids, opts, rng, stats):
-                if stats.new_tokens == 0:
-                    stats.seconds_first_token = time.perf_counter() - started
-                stats.new_tokens += len(tokens)
-                yield tokens
-        finally:
-            stats.seconds_total = time.perf_counter() - started
-            stats.seconds_target = self.target.seconds - before[0]
-            if self.draft is not None:
-                stats.seconds_draft = self.draft.seconds - before[1]
+        with self._lock:                 # one generation at a time on these sessions and caches
+            models = [m for m in (self.target, self.draft) if m is not None]
+            before = [m.seconds for m in models]
+            started = time.perf_counter()
+            steps = self.engine.run(prompt_ids, opts, rng, stats)
+            try:
+                for tokens in steps:
+                    if stats.new_tokens == 0:
+                        stats.seconds_first_token = time.perf_counter() - started
+                    stats.new_tokens += len(tokens)
+                    yield tokens
+            finally:
+                steps.close()            # the engine keeps this generation's caches for the next prompt
+                stats.seconds_total = time.perf_counter() - started
+                stats.seconds_target = self.target.seconds - before[0]
+                if self.draft is not None:
+                    stats.seconds_draft = self.draft.seconds - before[1]
+
+
+async def _async_iter(sync_iter):
+    """An async iterator over a blocking one: each next() runs in a worker thread, so the event loop
+    serves other requests meanwhile; closing it (a client gone) stops the generation between steps."""
+    done = object()
+    try:
+        while True:
+            item = await asyncio.to_thread(next, sync_iter, done)
+            if item is done:
+                return
+            yield item
+    finally:
+        await asyncio.to_thread(sync_iter.close)
 
 
 def load(path: str | os.PathLike | None = None, provider: str = "auto", draft_provider: str | None = None,
-         threads: int | None = None, load_draft: bool = True, tensorrt: TensorRTSettings | None = None) -> Generator:
+         threads: int | None = None, load_draft: bool = True, tensorrt: TensorRTSettings | None = None,
+         prefix_cache: bool | PrefixCache = True) -> Generator:
     """Load a bundle (default: models/default) with the given execution providers (per model: the draft
-    may run on another device than the target); tensorrt: engine cache, fp16, workspace."""
-    return Generator(read_bundle(path), provider, draft_provider, threads, load_draft, tensorrt)
+    may run on another device than the target); tensorrt: engine cache, fp16, workspace; prefix_cache:
+    keep recent generations' KV caches for prompts that extend them (False: off; a PrefixCache: its
+    bounds)."""
+    return Generator(read_bundle(path), provider, draft_provider, threads, load_draft, tensorrt, prefix_cache)

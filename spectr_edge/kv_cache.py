@@ -43,6 +43,13 @@ class KVCache:
         return self.device.shape(self.values[0])[0]
 
     # -- a call --------------------------------------------------------------------------------
+    def binding(self, session, past_names, present_names, new: int):
+        """An I/O binding of `session` with the cache bound: past inputs are the cache, present outputs
+        new tensors of past + new positions (so a new binding every call)."""
+        binding = session.io_binding()
+        self.bind(binding, past_names, present_names, new)
+        return binding
+
     def bind(self, binding, past_names, present_names, new: int) -> None:
         """Past inputs are the cache; present outputs go to new tensors of past + new positions."""
         heads, dim = self._geometry
@@ -112,9 +119,18 @@ class BufferKVCache:
                  capacity: int = 512):
         self.device, self.dtype = device, np.dtype(dtype)
         self._geometry = (num_layers, num_kv_heads, head_dim)
-        self.values = self._allocate(1, capacity)
+        self._values = self._allocate(1, capacity)
+        self._binding = None          # (session, I/O binding) with these buffers bound; kept between calls
         self.length = 0
         self.offset = 0
+
+    @property
+    def values(self) -> list:
+        return self._values
+
+    @values.setter
+    def values(self, tensors: list) -> None:
+        self._values, self._binding = tensors, None      # new buffers: bind them again
 
     def _allocate(self, rows: int, capacity: int) -> list:
         layers, heads, dim = self._geometry
@@ -138,13 +154,18 @@ class BufferKVCache:
         self.values = self.device.take(self.values, index, axis=2)
 
     # -- a call --------------------------------------------------------------------------------
-    def bind(self, binding, past_names, present_names, new: int) -> None:
-        """Past inputs and present outputs are the same buffers: the kernel writes the new positions
-        at length .. length + new - 1 in place."""
+    def binding(self, session, past_names, present_names, new: int):
+        """A binding of `session` with the buffers bound as both past inputs and present outputs (the
+        kernel writes the new positions at length .. length + new - 1 in place). The buffers stay
+        bound between calls: only a call's own inputs and outputs are bound again."""
         self.reserve(self.length + new)
-        for names, output in ((past_names, False), (present_names, True)):
-            for name, tensor in zip(names, self.values):
-                self.device.bind(binding, name, tensor, output)
+        if self._binding is None or self._binding[0] is not session:
+            binding = session.io_binding()
+            for names, output in ((past_names, False), (present_names, True)):
+                for name, tensor in zip(names, self._values):
+                    self.device.bind(binding, name, tensor, output)
+            self._binding = (session, binding)
+        return self._binding[1]
 
     def commit(self, new: int) -> None:
         self.length += new
@@ -171,7 +192,9 @@ class BufferKVCache:
         m = len(positions)
         dst = np.arange(keep, keep + m, dtype=np.int64)
         if not np.array_equal(positions, dst):
-            self.values = self.device.move(self.values, dst, positions)
+            moved = self.device.move(self._values, dst, positions)
+            if moved is not self._values:                  # in place on the host; new tensors on a device
+                self.values = moved
         self.length = keep + m
 
     def host_layers(self) -> list[tuple[np.ndarray, np.ndarray]]:

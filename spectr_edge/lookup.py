@@ -1,4 +1,4 @@
-"""Prompt-lookup drafting (SPECTR.md section 6) and the length rule that keeps it from costing time.
+"""Prompt-lookup drafting (docs/ALGORITHMS.md) and the length rule that keeps it from costing time.
 
 Drafting copies: find the longest n-gram (max_ngram down to min_ngram) that ends the committed
 text and occurred earlier in it (prompt included), and propose the tokens that followed that

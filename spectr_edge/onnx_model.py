@@ -287,19 +287,19 @@ class OnnxLM:
     def _run(self, feeds: dict, cache, new: int) -> np.ndarray:
         """One call through I/O binding: small inputs from the host, the cache bound on the device
         (read as past, written as present), logits (and guess ids) copied back."""
-        binding = self.session.io_binding()
+        binding = cache.binding(self.session, self._past, self._present, new)
         for name, value in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        binding.bind_output(self.spec.logits, self.device.kind, self.device.device_id)   # outputs come back
-        if self.spec.guess:                                                               # in binding order
+        binding.bind_output(self.spec.logits, self.device.kind, self.device.device_id)
+        if self.spec.guess:
             binding.bind_output(self.spec.guess, self.device.kind, self.device.device_id)
-        cache.bind(binding, self._past, self._present, new)
         started = time.perf_counter()
         self.session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        logits = self.device.fetch(outputs[0])
+        outputs = binding.get_outputs()       # in binding order: the presents, then logits (and guess ids)
+        n = len(self._present)
+        logits = self.device.fetch(outputs[n])
         if self.spec.guess:
-            self.guess = self.device.fetch(outputs[1])
+            self.guess = self.device.fetch(outputs[n + 1])
         self.seconds += time.perf_counter() - started
         self.calls += 1
         cache.commit(new)

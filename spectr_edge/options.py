@@ -201,7 +201,8 @@ def _given(value, check_fn, *args, **kwargs):
 
 
 def resolve(bundle, *, has_draft: bool, target_tree: bool, draft_tree: bool, min_call_tokens: int,
-            max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=0.0, top_k=0, top_p=1.0, drafter=None,
+            max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=0.0, top_k=0, top_p=1.0, presence_penalty=0.0,
+            frequency_penalty=0.0, repetition_penalty=1.0, drafter=None,
             num_candidates=None, branches=None, lookup_candidates=None, draft_len=None, draft_stop=None,
             adaptive=None, tree_budget=None, draft_window=None) -> DecodeOptions:
     """The DecodeOptions of one generation: each given value checked (type, range), then the policy
@@ -210,7 +211,11 @@ def resolve(bundle, *, has_draft: bool, target_tree: bool, draft_tree: bool, min
     max_new_tokens = count(max_new_tokens, "max_new_tokens", 1)
     temperature = number(temperature, "temperature", minimum=0, fix="use 0 for greedy decoding")
     sampling = SamplingParams(temperature, count(top_k, "top_k", 0, "0 turns it off"),
-                              number(top_p, "top_p", above=0, maximum=1, fix="1 turns it off"))
+                              number(top_p, "top_p", above=0, maximum=1, fix="1 turns it off"),
+                              number(presence_penalty, "presence_penalty", minimum=-2, maximum=2, fix="0 turns it off"),
+                              number(frequency_penalty, "frequency_penalty", minimum=-2, maximum=2,
+                                     fix="0 turns it off"),
+                              number(repetition_penalty, "repetition_penalty", above=0, fix="1 turns it off"))
     if drafter is not None and drafter not in DRAFTERS:
         raise InputError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
     num_candidates = _given(num_candidates, count, "num_candidates", 0, "0 decodes with the target only",
@@ -306,3 +311,32 @@ def resolve(bundle, *, has_draft: bool, target_tree: bool, draft_tree: bool, min
                              "chain) or --draft lookup")
     return DecodeOptions(max_new_tokens, sampling, drafter, num_candidates, branches, lookup_candidates,
                          draft_len, float(draft_stop), bool(adaptive), tree_budget, draft_window)
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def messages(value) -> list[dict]:
+    """OpenAI-style chat messages: a non-empty list of {"role", "content"}; content a string or a list
+    of {"type": "text", "text": ...} parts (joined). Returns plain {"role", "content": str} dicts."""
+    from .text import check_text
+
+    if not isinstance(value, (list, tuple)) or not value:
+        raise InputError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InputError(f"messages[{i}] must be an object with a \"role\" ({', '.join(ROLES)}) and a \"content\"")
+        if m["role"] not in ROLES:
+            raise InputError(f"messages[{i}].role is {m['role']!r}; use one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InputError(f"messages[{i}].content parts must be {{\"type\": \"text\", \"text\": ...}} "
+                                 "(this model reads text only)")
+            content = "".join(p["text"] for p in content)
+        elif content is None:
+            content = ""
+        out.append({"role": m["role"], "content": check_text(content, f"messages[{i}].content")})
+    return out

@@ -1,4 +1,4 @@
-"""How long to draft: expected accepted tokens per unit of predicted step time (SPECTR.md 6).
+"""How long to draft: expected accepted tokens per unit of predicted step time (docs/ALGORITHMS.md).
 
 Both drafters choose their length per step from the same two ingredients:
   * the target's verification cost curve c(n), the time of one call scoring n tokens in one row
@@ -20,12 +20,12 @@ from __future__ import annotations
 import numpy as np
 
 # relative cost of one target call scoring n tokens in one row (n = 1 is 1.0), by target precision:
-# Qwen2.5-Coder-1.5B on the 2-core CPU, ONNX Runtime 1.32 (../shared/MODELS.md)
+# Qwen2.5-Coder-1.5B on a 2-core AMD EPYC, ONNX Runtime 1.32 (bench/RESULTS.md, 2026-11-30)
 DEFAULT_COST_CURVES = {
     "none": ((1, 1.0), (2, 1.19), (4, 1.27), (8, 1.58), (16, 2.29), (32, 3.96)),
     "int8": ((1, 1.0), (2, 1.06), (4, 1.11), (8, 1.32), (16, 1.82), (32, 2.89)),
     "int4": ((1, 1.0), (2, 1.23), (4, 1.81), (8, 3.02), (16, 5.37), (32, 10.3)),
-    # int8 weights and activations (MatMulInteger), the Intel VM of stop 18 (`spectr-edge tune`)
+    # int8 weights and activations (MatMulInteger), `spectr-edge tune` on a 2-core Intel Xeon (2026-12-02)
     "w8a8": ((1, 1.0), (2, 1.01), (4, 1.07), (8, 1.13), (16, 1.30)),
 }
 

@@ -5,8 +5,9 @@ Pure NumPy; randomness is passed in as a numpy.random.Generator. Shapes:
                      (Qwen pads 151665 real ids to 151936); ids >= vocab_size are padding
   probs   [..., W]   float32, zero on padding and on everything top-k / top-p removed
 
-Pipeline (HF order and semantics, SPECTR.md section 4):
-  mask padding -> temperature -> top-k -> top-p -> softmax.
+Pipeline (HF order and semantics; docs/ALGORITHMS.md):
+  penalties (TokenHistory, from each position's own prefix) -> mask padding -> temperature ->
+  top-k -> top-p -> softmax.
 Greedy decoding (temperature 0) never divides by the temperature: it takes `greedy_token`.
 """
 
@@ -25,10 +26,66 @@ class SamplingParams:
     temperature: float = 1.0   # 0 => greedy
     top_k: int = 0             # 0 => off
     top_p: float = 1.0         # 1.0 => off
+    presence_penalty: float = 0.0      # OpenAI: minus this for every token the output already holds
+    frequency_penalty: float = 0.0     # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0    # HF / ORT GenAI: logits of tokens in the prompt or output / this (> 0: / ; < 0: *)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+class TokenHistory:
+    """The tokens before a position, as penalties read them: every token of the prompt and the output
+    (HF's repetition penalty) and the output's counts (OpenAI's presence and frequency penalties).
+
+    penalize(logits, params, path) applies the penalties for a position reached by the committed
+    tokens followed by `path` (drafted tokens before it): each drafted position is processed from
+    its own hypothetical prefix, exactly as plain decoding would have processed it there."""
+
+    def __init__(self, prompt_ids):
+        self._seen = set(int(t) for t in prompt_ids)
+        self._output: dict[int, int] = {}
+        self._arrays = None
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            t = int(t)
+            self._seen.add(t)
+            self._output[t] = self._output.get(t, 0) + 1
+        self._arrays = None
+
+    def _base(self):
+        if self._arrays is None:
+            out_ids = np.fromiter(self._output, dtype=np.int64, count=len(self._output))
+            out_counts = np.fromiter(self._output.values(), dtype=np.float32, count=len(self._output))
+            self._arrays = (np.fromiter(self._seen, dtype=np.int64, count=len(self._seen)), out_ids, out_counts)
+        return self._arrays
+
+    def penalize(self, logits: np.ndarray, params: SamplingParams, path=()) -> np.ndarray:
+        """[W] logits -> [W] penalized copy (repetition first, as HF's processor, then presence and
+        frequency), for the position after the committed tokens and `path`."""
+        seen, out_ids, out_counts = self._base()
+        path = [int(t) for t in path]
+        if path:
+            extra = dict(zip(out_ids.tolist(), out_counts.tolist()))
+            for t in path:
+                extra[t] = extra.get(t, 0.0) + 1.0
+            seen = np.union1d(seen, np.asarray(path, dtype=np.int64))
+            out_ids = np.fromiter(extra, dtype=np.int64, count=len(extra))
+            out_counts = np.fromiter(extra.values(), dtype=np.float32, count=len(extra))
+        out = np.array(logits, dtype=np.float32, copy=True)          # [W]
+        rp = params.repetition_penalty
+        if rp != 1.0 and seen.size:
+            chosen = out[seen]
+            out[seen] = np.where(chosen > 0, chosen / np.float32(rp), chosen * np.float32(rp))
+        if (params.presence_penalty or params.frequency_penalty) and out_ids.size:
+            out[out_ids] -= np.float32(params.presence_penalty) + np.float32(params.frequency_penalty) * out_counts
+        return out
 
 
 def mask_padding(logits: np.ndarray, vocab_size: int) -> np.ndarray:

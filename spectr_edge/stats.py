@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0           # prompt tokens whose cache was reused from an earlier generation
     new_tokens: int = 0
     num_candidates: int = 0          # k actually used (0 = target only)
     draft_len: int = 0               # L actually used

@@ -80,6 +80,15 @@ class TextCodec:
             ids = [self.spec.bos_token_id] + ids
         return ids
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the chat template, ending where the assistant's
+        next message starts."""
+        if not self.has_chat_template:
+            raise InputError("this bundle's tokenizer has no chat template, so it cannot take messages; "
+                             "use generate with a plain prompt")
+        return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt=True),
+                                     add_special_tokens=False).ids
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 

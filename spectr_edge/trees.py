@@ -56,7 +56,7 @@ def sequoia_shape(budget: int, max_depth: int) -> SequoiaShape:
 
 
 class DraftTree:
-    """A greedy draft tree grown by path probability (OPT-Tree, SPECTR.md section 6).
+    """A greedy draft tree grown by path probability (OPT-Tree, docs/ALGORITHMS.md).
 
     Node 0 is the last committed token. `grow` adds, below the frontier nodes, their draft's
     top children, then keeps the `budget` nodes (root excluded) with the highest path
@@ -121,6 +121,10 @@ class DraftTree:
                 self.kept.discard(node)
         return [n for n in new if n in self.kept]
 
+    def path(self, node: int) -> list[int]:
+        """The drafted tokens from the root to `node`, root excluded."""
+        return [self.tokens[n] for n in reversed([node] + self.ancestors_of(node))] if node else []
+
     def ancestors_of(self, node: int) -> list[int]:
         out = []
         node = self.parent[node]
@@ -153,7 +157,7 @@ class DraftTree:
 
 
 class TokenTrie:
-    """Drafted continuations merged into a token trie, for one batch-1 target call (SPECTR.md section 5).
+    """Drafted continuations merged into a token trie, for one batch-1 target call (docs/ALGORITHMS.md).
 
     Node 0 is the last committed token (position past); every other node is a drafted token,
     identical prefixes shared. tokens # [N], depth # [N] (position = past + depth),
@@ -185,16 +189,16 @@ class TokenTrie:
         self.node_of = np.asarray(node_of, dtype=np.int64) if len(lengths) == 1 else None
         self.tokens = np.asarray(tokens, dtype=np.int64)
         self.depth = np.asarray(depth, dtype=np.int64)
-        self._parent, self._ancestors = parent, None
+        self.parent, self._ancestors = parent, None
 
     @property
     def ancestors(self) -> np.ndarray:
         """# [N, N] bool: node i attends to node j (j is i or an ancestor of i); made when first asked."""
         if self._ancestors is None:
-            n = len(self._parent)
+            n = len(self.parent)
             self._ancestors = np.eye(n, dtype=bool)
             for i in range(1, n):                 # parent[i] < i: its row is already complete
-                self._ancestors[i] |= self._ancestors[self._parent[i]]
+                self._ancestors[i] |= self._ancestors[self.parent[i]]
         return self._ancestors
 
     def row_view(self, node_logits: np.ndarray) -> "RowLogits":

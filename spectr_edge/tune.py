@@ -20,7 +20,7 @@ fixed seeds. Each gets two scores: its measured speedup and its predicted speedu
 predicted time: the measured cost curve for every target call and the draft's cost by rows for
 every draft call, GenerationStats.cost_units; repeatable, and the explanation). The measured
 one decides: on the 2-core CPU the prediction ranked draft trees first (2.09x) that then ran at
-1.27x against 1.65x for k = 1 (bench/RESULTS.md section 00: the cost curve, measured on single
+1.27x against 1.65x for k = 1 (bench/RESULTS.md, 2026-11-30: the cost curve, measured on single
 calls after a random 128-token past, is flatter than what generation meets). The best of each
 regime (greedy, temperature > 0) goes into the manifest's "defaults"; `generate` uses it when
 the user sets none of its options. Target-only is a candidate, so a policy measured slower on

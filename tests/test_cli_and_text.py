@@ -190,3 +190,26 @@ def test_partial_stop_prefix_is_released_when_it_does_not_match(codec):
     stream = TextStream(codec, stop=("STOP",))
     shown = "".join(stream.push([i]) for i in ids) + stream.flush()
     assert not stream.stopped and shown == text
+
+
+def test_llama_cpp_style_aliases_and_prompt_sources(toy_dir, tmp_path):
+    """--temp, --draft-max, --draft-p-min, -p/--prompt and -f/--file mean what they mean in llama.cpp."""
+    base = ["--bundle", str(toy_dir), "--provider", "cpu", "-n", "8", "--json"]
+    want = json.loads(run_cli("generate", "a b c", *base, "--temperature", "0", "-L", "3", "--draft-stop", "0.2").stdout)
+    got = json.loads(run_cli("generate", "-p", "a b c", *base, "--temp", "0", "--draft-max", "3",
+                             "--draft-p-min", "0.2").stdout)
+    assert got["token_ids"] == want["token_ids"] and got["stats"]["draft_len"] == 3
+    (tmp_path / "prompt.txt").write_text("a b c")
+    assert json.loads(run_cli("generate", "-f", str(tmp_path / "prompt.txt"), *base).stdout)["token_ids"] == \
+        want["token_ids"]
+    res = run_cli("generate", "a b", "-p", "c d", *base)
+    assert res.returncode == 2 and "give the prompt once" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_interactive_chat_keeps_the_conversation(tiny_qwen_bundle):
+    res = subprocess.run(CLI + ["chat", "--bundle", str(tiny_qwen_bundle), "--provider", "cpu", "-n", "6", "--stats",
+                                "--system", "Be brief."], input="hello\nand again\n/exit\n", capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    reused = [int(line.rsplit(":", 1)[1]) for line in res.stderr.splitlines() if "reused from the cache" in line]
+    assert len(reused) == 2 and reused[0] == 0 and reused[1] > 10, res.stderr

@@ -79,7 +79,7 @@ def test_lookup_with_guess_head_is_exact_greedy_and_uses_the_right_row(tiny_qwen
     even number of rows, at least 2: ModelSpec.min_call_tokens / call_multiple), so a one-token guess
     is free and drafted whenever the text has no match. With 1-token calls the length rule drops
     guesses after a few misses, and how soon depends on the head this machine's training produced:
-    on stop 21's AVX2-only VM the first four guesses of every prompt missed (16 steps, none accepted,
+    on an AVX2-only AMD EPYC the first four guesses of every prompt missed (16 steps, none accepted,
     although the head was right on 5-54% of the positions)."""
     import dataclasses
 

@@ -1,4 +1,4 @@
-"""Monte Carlo: the whole engine's output law == sampling the target alone (SPECTR.md 7.2).
+"""Monte Carlo: the whole engine's output law == sampling the target alone (docs/ALGORITHMS.md).
 
 The toy bundle of tests/toy_lm.py (vocab 5) is run through `spectr_edge.load` and
 `generate_ids` many times with fixed seeds; the empirical law of the generated tokens
@@ -22,7 +22,7 @@ P_VALUE = 1e-4 quantile of chi2(cells - 1), by the Wilson-Hilferty approximation
 df = 124 gives 191.4 vs exact 191.3). Seeds are fixed, so a pass or fail is reproducible.
 
 Power. Two negative controls must be REJECTED by the same test: the naive multi-draft
-rule (rho = 1, SPECTR.md section 2) patched into spectr_edge.selection, and correct
+rule (rho = 1, docs/ALGORITHMS.md) patched into spectr_edge.selection, and correct
 samples compared with the target law at a wrong temperature.
 
 CI runs CI_CONFIGS (every k, every L, both temperatures and the filters at least once);
@@ -67,6 +67,7 @@ class Config:
     drafter: str | None = None    # None = the draft model; "lookup" | "model+lookup" = prompt lookup
     adaptive: bool = False        # per-step draft length from policy.AdaptiveLength
     tree_budget: int = 0          # a draft tree of this many nodes (sampling: a Sequoia tree; greedy: OPT-Tree)
+    penalties: tuple = (0.0, 0.0, 1.0)   # (presence, frequency, repetition), 1.0 = no repetition penalty
 
     def __str__(self) -> str:
         filters = f"-topk{self.top_k}-topp{self.top_p}" if self.top_k or self.top_p < 1 else ""
@@ -74,6 +75,7 @@ class Config:
         stop += f"-{self.drafter}" if self.drafter else ""
         stop += "-adaptive" if self.adaptive else ""
         stop += f"-tree{self.tree_budget}" if self.tree_budget else ""
+        stop += "-penalties" + "_".join(f"{x:g}" for x in self.penalties) if self.penalties != (0.0, 0.0, 1.0) else ""
         return (f"k{self.num_candidates}-L{self.draft_len}-T{self.temperature}{filters}{stop}"
                 f"-prompt{len(self.prompt)}-n{self.draws}")
 
@@ -128,7 +130,7 @@ def chi_square(counts: Counter, law: dict, n: int) -> tuple[float, int]:
 def window_laws(bundle, cfg: Config, temperature: float | None = None) -> dict[str, dict]:
     """Exact law of each window of the target-only output (6-token law marginalised)."""
     t = cfg.temperature if temperature is None else temperature
-    full = exact_sequence_law(bundle, cfg.prompt, MAX_NEW_TOKENS, t, cfg.top_k, cfg.top_p)
+    full = exact_sequence_law(bundle, cfg.prompt, MAX_NEW_TOKENS, t, cfg.top_k, cfg.top_p, cfg.penalties)
     laws = {}
     for name, window in WINDOWS.items():
         law = Counter()
@@ -172,7 +174,8 @@ def draw(gen, cfg: Config) -> Draws:
         res = gen.generate_ids(list(cfg.prompt), max_new_tokens=MAX_NEW_TOKENS, temperature=cfg.temperature,
                                top_k=cfg.top_k, top_p=cfg.top_p, draft_len=cfg.draft_len, draft_stop=cfg.draft_stop,
                                drafter=cfg.drafter, adaptive=cfg.adaptive, tree_budget=cfg.tree_budget, rng=rng,
-                               **candidates)
+                               presence_penalty=cfg.penalties[0], frequency_penalty=cfg.penalties[1],
+                               repetition_penalty=cfg.penalties[2], **candidates)
         ids = tuple(res.token_ids)
         assert len(ids) == MAX_NEW_TOKENS, ids               # eos_token_ids is empty
         assert all(0 <= t < VOCAB_SIZE for t in ids), f"padding or out-of-range id emitted: {ids}"
@@ -328,7 +331,7 @@ def test_greedy_speculative_equals_target_only(gen):
 
 # --------------------------------------------------------------------------- tree verification
 # The same toy models with a 4D mask input (export/tree_mask.py): k > 1 candidates are scored as one
-# token trie in a batch-1 call and the accepted path's cache entries are gathered (SPECTR.md 5).
+# token trie in a batch-1 call and the accepted path's cache entries are gathered (docs/ALGORITHMS.md).
 
 TREE_CONFIGS = [
     Config(2, 2, 1.0, seed=20),
@@ -740,3 +743,56 @@ def test_adaptive_model_plus_lookup_greedy_equals_target_only(gen, tree_gen, mon
             assert res.token_ids == plain, prompt
             used.update(lookup=res.stats.lookup_steps, model=res.stats.draft_calls)
     assert used["lookup"] > 0 and used["model"] > 0, used
+
+
+# --------------------------------------------------------------------------- penalties
+# presence / frequency (OpenAI) and repetition (HF) penalties, applied to target and draft alike at
+# every drafted position from the tokens before it (sampling.TokenHistory): the output is the law of
+# the penalised target, which toy_lm.penalize computes independently.
+
+PENALTY_CONFIGS = [
+    Config(2, 2, 1.0, prompt=LONG_PROMPT, seed=60, penalties=(0.4, 0.3, 1.3)),
+    Config(1, 3, 0.7, top_k=3, seed=61, penalties=(0.0, 0.5, 1.0), drafter="model+lookup"),
+    Config(1, 4, 1.0, prompt=LONG_PROMPT, seed=62, penalties=(0.6, 0.0, 1.5), drafter="lookup"),
+]
+
+
+@pytest.mark.parametrize("cfg", PENALTY_CONFIGS, ids=str)
+def test_penalised_output_law_equals_the_penalised_target(bundle, gen, cfg):
+    assert_engine_follows_target(bundle, gen, cfg, draw(gen, cfg))
+
+
+def test_penalised_trees_keep_the_law(tree_bundle, tree_gen):
+    cfg = Config(1, 3, 1.0, seed=63, tree_budget=6, penalties=(0.3, 0.3, 1.2))
+    draws = draw(tree_gen, cfg)
+    assert draws.scored > draws.steps * (cfg.draft_len + 1)            # siblings were drawn
+    assert_engine_follows_target(tree_bundle, tree_gen, cfg, draws)
+
+
+def test_negative_control_penalties_from_the_committed_text_only(bundle, gen, monkeypatch):
+    """Penalising every drafted position as if it came right after the committed text (ignoring the
+    drafted tokens before it) is not the penalised target's law: rejected."""
+    from spectr_edge.sampling import TokenHistory
+
+    real = TokenHistory.penalize
+    monkeypatch.setattr(TokenHistory, "penalize", lambda self, logits, params, path=(): real(self, logits, params))
+    cfg = Config(1, 3, 1.0, prompt=LONG_PROMPT, draws=NEGATIVE_DRAWS, seed=64, penalties=(2.0, 2.0, 1.0))
+    draws = draw(gen, cfg)
+    assert draws.accepted > 0
+    assert_law_rejected(bundle, cfg, draws)
+
+
+def test_penalised_greedy_equals_penalised_target_only(gen, tree_gen):
+    rng = np.random.default_rng(65)
+    accepted = 0
+    for trial in range(8):
+        prompt = [int(t) for t in rng.integers(0, VOCAB_SIZE, int(rng.integers(2, 8)))]
+        pen = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.4)
+        for g in (gen, tree_gen):
+            plain = g.generate_ids(prompt, max_new_tokens=16, temperature=0.0, num_candidates=0, **pen).token_ids
+            for opts in (dict(draft_len=3), dict(drafter="lookup"), dict(drafter="model+lookup", draft_len=4)) + \
+                    ((dict(tree_budget=6, draft_len=3), dict(branches=3, draft_len=3)) if g is tree_gen else ()):
+                res = g.generate_ids(prompt, max_new_tokens=16, temperature=0.0, **opts, **pen)
+                assert res.token_ids == plain, (prompt, opts)
+                accepted += res.stats.accepted
+    assert accepted > 0

@@ -1,6 +1,6 @@
 """Token-level selection (spectr_edge.selection): analytic checks, exact laws, Monte Carlo.
 
-SPECTR.md section 7: residual >= 0, from-draft + (1 - beta)^k p_res == q, rho* minimal,
+docs/ALGORITHMS.md: residual >= 0, from-draft + (1 - beta)^k p_res == q, rho* minimal,
 acceptance within the section 1 bounds; the output law is exactly q (enumerated and Monte
 Carlo), and the naive rho = 1 rule for several candidates is caught (negative control).
 """
@@ -25,7 +25,7 @@ def normalise(weights):
 # -- direct float64 references --------------------------------------------------------------------
 
 def f_of_rho(p, q, num_candidates, rho):
-    """f(rho) = rho * beta(rho) - (1 - (1 - beta(rho))^k), straight from SPECTR.md section 1."""
+    """f(rho) = rho * beta(rho) - (1 - (1 - beta(rho))^k), straight from docs/ALGORITHMS.md"""
     beta = np.minimum(p, q / rho).sum()
     return rho * beta - (1 - (1 - beta) ** num_candidates)
 

@@ -185,10 +185,24 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+def penalize(logits, prompt, generated, presence: float = 0.0, frequency: float = 0.0,
+             repetition: float = 1.0) -> np.ndarray:
+    """Reference penalties (float64): HF's repetition penalty over every token of the prompt and the
+    output (positive logits divided by it, others multiplied), then OpenAI's presence and frequency
+    penalties over the output's token counts."""
+    x = np.asarray(logits, np.float64).copy()
+    for t in set(prompt) | set(generated):
+        x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
+    for t in set(generated):
+        x[t] -= presence + frequency * list(generated).count(t)
+    return x
+
+
 def exact_sequence_law(bundle_or_params, prompt_ids, n_tokens: int, temperature: float = 1.0,
-                       top_k: int = 0, top_p: float = 1.0) -> dict[tuple[int, ...], float]:
+                       top_k: int = 0, top_p: float = 1.0, penalties=(0.0, 0.0, 1.0)) -> dict[tuple[int, ...], float]:
     """P(first n_tokens generated = seq) for every seq in V^n_tokens, sampling the TARGET
-    alone with processed logits. Zero-probability sequences are included (value 0)."""
+    alone with processed logits. Zero-probability sequences are included (value 0).
+    penalties: (presence, frequency, repetition), applied at each position from its own prefix."""
     params = bundle_or_params
     if not isinstance(params, ToyParams):
         params = load_params(bundle_or_params)
@@ -198,6 +212,8 @@ def exact_sequence_law(bundle_or_params, prompt_ids, n_tokens: int, temperature:
     def next_probs(prefix: tuple[int, ...]) -> np.ndarray:
         if prefix not in cache:
             logits = exact_next_logits(params, prompt + list(prefix))
+            if tuple(penalties) != (0.0, 0.0, 1.0):
+                logits = penalize(logits, prompt, prefix, *penalties)
             cache[prefix] = process_logits(logits, V, temperature, top_k, top_p)
         return cache[prefix]
 

@@ -3,11 +3,13 @@
 # for bench/workers/llamacpp_worker.py. The build takes ~6 minutes on 2 cores; nothing else
 # CPU-heavy (in particular no timing benchmark) should run meanwhile.
 #
-# CPU build, generic x86-64 (not -march=native): GGML_NATIVE=OFF with the x86-64-v3 instruction
-# sets spelled out (SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512), so the library does not
-# depend on the build machine. They are spelled out because ggml turns them on by default only
-# when GGML_NATIVE_DEFAULT is ON, which it is not when SOURCE_DATE_EPOCH is set -- that would
-# silently give an SSE2-only build (vendor/llama.cpp/ggml/CMakeLists.txt). No BLAS, CUDA or curl.
+# By default the build is the one users get from `pip install llama-cpp-python`: native to the
+# machine that builds it (GGML_NATIVE=ON: every instruction set this CPU has, AVX-512 and VNNI
+# included where present), so a comparison against it is fair on every CPU. LLAMACPP_GENERIC=1
+# builds for generic x86-64-v3 instead (SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512), spelled
+# out because ggml turns them on by default only when GGML_NATIVE_DEFAULT is ON, which it is not
+# when SOURCE_DATE_EPOCH is set (that would silently give an SSE2-only build). No BLAS, CUDA or
+# curl. The worker records llama.cpp's own system info (the kernels it chose) in every run.
 #
 #     bash bench/peers/llamacpp_setup.sh            # PYTHON=python3.11 to choose the interpreter
 set -euo pipefail
@@ -22,9 +24,14 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install --upgrade pip
 
-export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON \
--DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_BACKEND_DL=OFF \
--DGGML_CPU_ALL_VARIANTS=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release"
+COMMON="-DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_BACKEND_DL=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DLLAMA_CURL=OFF \
+-DCMAKE_BUILD_TYPE=Release"
+if [ "${LLAMACPP_GENERIC:-0}" = 1 ]; then
+    export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON \
+-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF $COMMON"
+else
+    export CMAKE_ARGS="-DGGML_NATIVE=ON $COMMON"
+fi
 export CMAKE_BUILD_PARALLEL_LEVEL=2      # 2 compile jobs
 export FORCE_CMAKE=1
 

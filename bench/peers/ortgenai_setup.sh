@@ -21,7 +21,7 @@
 # torch.tensor(tensor.data).reshape(...) and its README says "float16/float32 GGUF" only; our GGUFs are
 # Q4_K_M (tensors Q4_K, Q6_K, Q5_0, Q8_0), whose raw blocks cannot be reshaped that way. It would also
 # need -m <hub name or local HF folder> for config.json and the tokenizer (builder.py get_hf_details).
-# So: GGUF -> float32 HF folder with export.sources.convert_gguf (exactly what spectr-edge's own export
+# So: GGUF -> float32 HF folder with spectr_edge_export.sources.convert_gguf (exactly what spectr-edge's own export
 # does, so both tools start from identical dequantized weights) -> builder -i <HF folder>.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -74,7 +74,7 @@ convert() {  # gguf-name hf-name
   if [ -f "$dst/config.json" ] && [ -f "$dst/tokenizer.json" ]; then log "have $dst"; return; fi
   log "dequantizing $1 -> $dst"
   rm -rf "$dst"
-  (cd "$ROOT" && "$MAIN_PY" -c 'import sys; from pathlib import Path; from export.sources import convert_gguf
+  (cd "$ROOT" && "$MAIN_PY" -c 'import sys; from pathlib import Path; from spectr_edge_export.sources import convert_gguf
 convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))' "$src" "$dst")
 }
 convert Qwen2.5-Coder-1.5B-Instruct.gguf qwen1.5b
@@ -100,7 +100,7 @@ import importlib.metadata as md, json, pathlib, sys
 dst, gguf, prec, extra = sys.argv[1:5]
 ver = pathlib.Path(gguf + ".verified")
 sha = json.loads(ver.read_text()).get("sha256") if ver.exists() else "unknown"
-note = {"source": f"{pathlib.Path(gguf).name} (GGUF, dequantized to float32 by export.sources.convert_gguf), "
+note = {"source": f"{pathlib.Path(gguf).name} (GGUF, dequantized to float32 by spectr_edge_export.sources.convert_gguf), "
                   f"sha256 {sha}",
         "quant": "none" if prec == "fp32" else prec, "precision": prec, "execution_provider": "cpu",
         "builder": f"onnxruntime_genai.models.builder {md.version('onnxruntime-genai')} -p {prec} -e cpu "

@@ -58,7 +58,8 @@ def main() -> None:
 
     import spectr_edge
 
-    gen = spectr_edge.load(args.bundle, provider="cpu", threads=args.threads)
+    # every prompt from a cold cache, as the peers' workers run them (config "prefix_cache": true keeps them)
+    gen = spectr_edge.load(args.bundle, provider="cpu", threads=args.threads, prefix_cache=False)
     info = {"tool": "spectr-edge", "onnxruntime": onnxruntime.__version__, "numpy": np.__version__,
             "bundle": args.bundle, "threads": args.threads or "onnxruntime default",
             "models": {r: {k: v for k, v in m.items() if k in ("source", "quant", "num_layers")}

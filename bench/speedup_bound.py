@@ -1,18 +1,19 @@
-"""What issue 5's bars would take on this machine (bench/RESULTS.md section 00000000000000).
+"""How fast could speculation get on this machine? Upper bounds for chains and draft trees
+(docs/PERFORMANCE.md uses them to say what limits the speedup on a small CPU).
 
 Two views, both seconds to run:
 
-1. `--raw bench/results/<run>/raw.json` (a `--suite issue5` run): per method, the per-prompt
+1. `--raw bench/results/<run>/raw.json` (a `--suite trees` run): per method, the per-prompt
    median speedup over target-only measured, the same with the draft model's time removed
    (drafting free, everything else as measured), and tokens per target call against the
    k = 1 / chain default of the same temperature.
 2. `--bundle DIR` (a bundle `spectr-edge tune` measured): expected tokens per step of k = 1
    chains and of Sequoia trees of N nodes under the engine's per-rank acceptances
-   (engine.SEQUOIA_RANK_ACCEPTANCE, first draw 0.70 = sum min(p, q) of the default bundle),
+   (trees.SEQUOIA_RANK_ACCEPTANCE, first draw 0.70 = sum min(p, q) of the default bundle),
    and their speedups predicted from the bundle's measured cost curve and draft cost, with
    drafting as measured and with drafting free.
 
-    .venv/bin/python bench/issue5_bound.py --bundle models/default \
+    .venv/bin/python bench/speedup_bound.py --bundle models/default \
         --raw bench/results/2026-12-02-issue5-zen3/raw.json --flat
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spectr_edge.engine import SEQUOIA_RANK_ACCEPTANCE, SequoiaShape  # noqa: E402
+from spectr_edge.trees import SEQUOIA_RANK_ACCEPTANCE, SequoiaShape  # noqa: E402
 from spectr_edge.policy import CostCurve  # noqa: E402
 
 
@@ -121,7 +122,7 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path, help="a bundle with a measured cost curve (spectr-edge tune)")
     ap.add_argument("--flat", action="store_true",
                     help="also predict with a flat cost curve and free draft rows (how a GPU behaves)")
-    ap.add_argument("--raw", type=Path, help="raw.json of a bench/run.py --suite issue5 run")
+    ap.add_argument("--raw", type=Path, help="raw.json of a bench/run.py --suite trees run")
     args = ap.parse_args()
     if not args.bundle and not args.raw:
         ap.error("give --bundle DIR and/or --raw RAW_JSON")

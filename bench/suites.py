@@ -1,0 +1,199 @@
+"""The benchmark's suites: which methods (tool x configuration x bundle) one run compares.
+
+A method is a dict: name, tool, worker (the process that runs it, bench/workers/), config (what the
+worker is asked: temperature, k, L, ...), temperature, baseline (spectr-edge's target-only of the
+run's main bundle), own_baseline (the name of the method it is compared with besides that: a peer's
+own target-only, or another bundle's), group (methods that must fit in memory together).
+
+    default      target-only against the shipped defaults, greedy and at temperature 1
+    policies     every decoding policy of the engine on the float32 and int4 bundles (defaults, SpecTr
+                 k = 2, an OPT-Tree, a Sequoia tree)
+    precisions   every target precision's default against its own target-only, llama.cpp's Q4 decode
+                 and ORT GenAI's int4 target
+    int4-peers   the int4 bundle's default against its target-only and llama.cpp's Q4 decode (48 prompts)
+    spectr-grid  SpecTr's k x L grid, greedy and at temperature 1
+    trees        the float32 default chain against OPT-Trees and side leaves (greedy); k = 1 against
+                 SpecTr k = 2 and Sequoia trees (temperature 1)
+    guess        the int4 bundle with and without the target's guess head
+    prefill      the LM head on the prefill's last position only, against every position (TTFT)
+    peers        spectr-edge against ORT GenAI, transformers' assisted generation and llama.cpp
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+MODELS = BENCH.parent / "models"
+INT4_BUNDLE = MODELS / "default-int4"               # bench/quant_twin.py --target-quant int4
+INT8_BUNDLE = MODELS / "default-int8"               # bench/quant_twin.py --target-quant int8
+W8A8_BUNDLE = MODELS / "default-w8a8"               # bench/quant_twin.py --target-quant w8a8
+INT4_NOHEAD_BUNDLE = MODELS / "default-int4-nohead"  # the int4 twin without its guess head
+FULL_LOGITS = MODELS / "default-full-logits"        # bench/full_logits_twin.py
+INT4_FULL_LOGITS = MODELS / "default-int4-full-logits"
+PROMPTS = {"spectr-grid": "first-20", "peers": "stratified-1", "policies": "stratified-1", "trees": "stratified-2",
+           "int4-peers": "stratified-8", "precisions": "stratified-2", "prefill": "stratified-2",
+           "guess": "stratified-8"}           # the Spec-Bench prompt subset of each suite (default stratified-4)
+
+
+# -- methods --------------------------------------------------------------------------------------
+def spectr(temperature: float, k: int, L: int = 0, stop: float | None = None, label: str | None = None,
+           **config) -> dict:
+    """spectr-edge with k candidates of L tokens (k = 0: target-only); more config keys as given."""
+    cfg = {"temperature": temperature, "k": k}
+    if k:
+        cfg["L"] = L
+        cfg["stop"] = 0.0 if stop is None else stop
+    cfg.update(config)
+    if label is None:
+        label = "target-only" if k == 0 else f"k={k} L={L}" + (f" stop {stop:g}" if stop else "")
+    return {"name": f"spectr-edge T={temperature:g} {label}", "tool": "spectr-edge", "worker": "spectr",
+            "config": cfg, "temperature": temperature, "baseline": k == 0}
+
+
+def spectr_default(temperature: float) -> dict:
+    """The shipped defaults (no drafting option passed: what `spectr-edge generate` does)."""
+    return {"name": f"spectr-edge T={temperature:g} default", "tool": "spectr-edge", "worker": "spectr",
+            "config": {"temperature": temperature}, "temperature": temperature, "baseline": False}
+
+
+def lookup(temperature: float, drafter: str) -> dict:
+    """Prompt lookup, alone or before the draft model; default lengths."""
+    return {"name": f"spectr-edge T={temperature:g} {drafter}", "tool": "spectr-edge", "worker": "spectr",
+            "config": {"temperature": temperature, "drafter": drafter}, "temperature": temperature,
+            "baseline": False}
+
+
+def tree_method(temperature: float, budget: int, depth: int, **config) -> dict:
+    """A draft tree of `budget` nodes (greedy: OPT-Tree by path probability; T > 0: Sequoia)."""
+    kind = "OPT-Tree" if temperature == 0 else "Sequoia tree"
+    prefix = "model+lookup " if config.get("drafter") == "model+lookup" else ""
+    return spectr(temperature, 1, depth, label=f"{prefix}{kind} {budget} nodes depth<={depth}", tree=budget, **config)
+
+
+def peer(tool: str, worker: str, label: str, temperature: float, config: dict | None = None,
+         own: str | None = None, max_prompts: int | None = None, limit_reason: str = "") -> dict:
+    """A peer tool's method; `own` = the label of that tool's own target-only at this temperature."""
+    name = lambda lab: f"{tool} T={temperature:g} {lab}"  # noqa: E731
+    m = {"name": name(label), "tool": tool, "worker": worker, "temperature": temperature,
+         "config": {"temperature": temperature, **(config or {})}, "baseline": False,
+         "own_baseline": name(own) if own else None}
+    if max_prompts:
+        m.update(max_prompts=max_prompts, limit_reason=limit_reason)
+    return m
+
+
+def on_bundle(method: dict, bundle, tag: str) -> dict:
+    """The same method on another bundle (its own worker), named with a tag, compared with that
+    bundle's own target-only at the same temperature."""
+    own = None if method["baseline"] else f"spectr-edge T={method['temperature']:g} target-only [{tag}]"
+    return {**method, "name": f"{method['name']} [{tag}]", "worker": f"spectr:{bundle}", "bundle": str(bundle),
+            "baseline": False, "own_baseline": own}
+
+
+def precision_rows(bundle, tag: str) -> list[dict]:
+    """Greedy target-only and default on another bundle."""
+    return [on_bundle(spectr(0.0, 0), bundle, tag), on_bundle(spectr_default(0.0), bundle, tag)]
+
+
+LLAMACPP_Q4 = lambda t=0.0: peer("llama.cpp", "llamacpp", "Q4 target-only", t)  # noqa: E731
+ORTGENAI_INT4 = lambda t=0.0: peer("ortgenai", "ortgenai:qwen1.5b-int4", "int4 target-only", t)  # noqa: E731
+
+
+def slow(method: dict) -> dict:
+    """ORT GenAI 0.18's speculative decoding at T > 0 runs at ~2-3 s/token on a 2-core CPU (greedy is
+    normal): those rows run on the first prompt only."""
+    if not method["temperature"]:
+        return method
+    return {**method, "max_prompts": 1,
+            "limit_reason": "ORT GenAI 0.18 speculative sampling takes ~2-3 s/token at T=1 on a 2-core CPU"}
+
+
+# -- suites ---------------------------------------------------------------------------------------
+def peers_suite(int4_bundle) -> list[dict]:
+    """spectr-edge against the tools users pick instead, in memory-sized groups: spectr-edge's
+    target-only, k = 1 L = 3, the defaults, SpecTr k = 2 / 4; the int4 twin; ORT GenAI (fp32 and int4
+    targets, its int4 draft of 4 tokens), transformers' assisted generation (its defaults, and 3
+    tokens), llama.cpp (Q4: target-only, its prompt lookup, a 0.5B draft of 3 tokens)."""
+    og_d = "ortgenai:qwen1.5b-int4+qwen0.5b-int4"
+    ogf, ogf_d = "ortgenai:qwen1.5b-fp32", "ortgenai:qwen1.5b-fp32+qwen0.5b-int4"
+    groups: dict[str, list[dict]] = {"main": [], "hf": [], "ortgenai-fp32": [], "ortgenai-fp32-draft": []}
+    for t in (0.0, 1.0):
+        anchor = spectr(t, 0)
+        groups["main"] += [anchor, spectr(t, 1, 3)]
+        groups["main"] += [spectr_default(0.0), lookup(0.0, "lookup")] if t == 0 else [spectr(t, 2, 2), spectr(t, 4, 2)]
+        q = lambda m: on_bundle(m, int4_bundle, "int4 target")  # noqa: E731
+        groups["main"] += [q(spectr(t, 0)), q(spectr(t, 1, 3))] + ([q(lookup(t, "lookup"))] if t == 0 else [])
+        groups["main"] += [ORTGENAI_INT4(t),
+                           slow(peer("ortgenai", og_d, "int4 + int4 draft, 4 tokens", t,
+                                     {"speculative": "draft", "max_draft_tokens": 4}, own="int4 target-only")),
+                           LLAMACPP_Q4(t)]
+        if t == 0:
+            groups["main"].append(
+                peer("llama.cpp", "llamacpp", "Q4 prompt lookup", t,
+                     {"speculative": "prompt_lookup", "num_pred_tokens": 10, "max_ngram_size": 2}, own="Q4 target-only"))
+        groups["main"] += [peer("llama.cpp", "llamacpp", "Q4 + Q4 draft, 3 tokens", t,
+                                {"speculative": "draft_model", "num_draft": 3}, own="Q4 target-only")]
+        # transformers runs at ~0.4-0.8 s/token: its T=1 rows and the 3-token variant run on 3 prompts
+        few = dict(max_prompts=3, limit_reason="transformers takes ~0.4-0.8 s/token; 3 prompts keep the run near an hour")
+        groups["hf"] += [anchor, peer("transformers", "hf", "fp32 target-only", t, **(few if t else {})),
+                         peer("transformers", "hf", "fp32 assisted (library defaults)", t, {"assistant": True},
+                              own="fp32 target-only", **(few if t else {}))]
+        if t == 0:
+            groups["hf"].append(peer("transformers", "hf", "fp32 assisted, 3 tokens", t,
+                                     {"assistant": True, "num_assistant_tokens": 3, "schedule": "constant"},
+                                     own="fp32 target-only", **few))
+        # spectr-edge's and ORT GenAI's float32 1.5B models (~6.5 GiB each) do not fit three at a time
+        groups["ortgenai-fp32"] += [anchor, peer("ortgenai", ogf, "fp32 target-only", t)]
+        groups["ortgenai-fp32-draft"] += [anchor, slow(peer("ortgenai", ogf_d, "fp32 + int4 draft, 4 tokens", t,
+                                                            {"speculative": "draft", "max_draft_tokens": 4},
+                                                            own="fp32 target-only"))]
+    return [{**m, "group": g} for g, ms in groups.items() for m in ms]
+
+
+def suite(name: str, all_configs: bool = False, other_bundle: str | None = None) -> list[dict]:
+    """The methods of suite `name`; other_bundle replaces the int4 twin where a suite uses one."""
+    int4 = other_bundle or INT4_BUNDLE
+    q = lambda m: on_bundle(m, int4, "int4 target")  # noqa: E731
+    if name == "default":
+        return [spectr(0.0, 0), spectr_default(0.0), spectr(1.0, 0), spectr_default(1.0)]
+    if name == "policies":
+        return [spectr(0.0, 0), spectr_default(0.0), tree_method(0.0, 8, 6), spectr(1.0, 0), spectr_default(1.0),
+                spectr(1.0, 2, 3), tree_method(1.0, 8, 4),
+                q(spectr(0.0, 0)), q(spectr_default(0.0)), q(spectr(1.0, 0)), q(spectr_default(1.0))]
+    if name == "precisions":
+        out = [spectr(0.0, 0), spectr_default(0.0)]
+        for bundle, tag in ((INT8_BUNDLE, "int8 target"), (int4, "int4 target"), (W8A8_BUNDLE, "w8a8 target")):
+            out += precision_rows(bundle, tag)
+        return out + [LLAMACPP_Q4(), ORTGENAI_INT4()]
+    if name == "int4-peers":
+        return precision_rows(int4, "int4 target") + [LLAMACPP_Q4(), ORTGENAI_INT4()]
+    if name == "spectr-grid":   # k in {1,2,4} x L in {2,3,4,6}, greedy and T=1, plus the defaults
+        out = [spectr(0.0, 0)] + [spectr(0.0, 1, L) for L in (2, 3, 4, 6)] + [spectr_default(0.0)]
+        out += [spectr(1.0, 0)] + [spectr(1.0, 1, L) for L in (2, 3, 4, 6)]
+        out += [spectr(1.0, 2, L) for L in (2, 3, 4)] + [spectr(1.0, 4, L) for L in (2, 3)]
+        if all_configs:          # dominated in every run so far, and the slowest rows
+            out += [spectr(1.0, 2, 6), spectr(1.0, 4, 4), spectr(1.0, 4, 6)]
+        return out
+    if name == "trees":
+        ml = dict(drafter="model+lookup", stop=0.0)
+        return [spectr(0.0, 0), spectr_default(0.0), tree_method(0.0, 8, 6, **ml), tree_method(0.0, 12, 6, **ml),
+                spectr(0.0, 1, 6, stop=0.5, label="model+lookup side leaves, 2 branches L=6 stop 0.5",
+                       drafter="model+lookup", branches=2),
+                spectr(1.0, 0), spectr_default(1.0), spectr(1.0, 1, 4), spectr(1.0, 2, 3),
+                tree_method(1.0, 8, 4), tree_method(1.0, 12, 5)]
+    if name == "guess":         # the int4 bundle with its guess head against its twin without it
+        tag_off = "int4 target, no guess head"
+        out = []
+        for t in ((0.0, 1.0) if all_configs else (0.0,)):
+            off = lambda m: on_bundle(m, INT4_NOHEAD_BUNDLE, tag_off)  # noqa: E731
+            on = {**q(spectr_default(t)), "own_baseline": f"spectr-edge T={t:g} target-only [{tag_off}]"}
+            out += [off(spectr(t, 0)), off(spectr_default(t)), q(spectr(t, 0)), on]
+        return out + [LLAMACPP_Q4()]
+    if name == "prefill":       # the *-full-logits twins of bench/full_logits_twin.py
+        return ([spectr(0.0, 0), spectr_default(0.0)] + precision_rows(FULL_LOGITS, "full logits")
+                + precision_rows(int4, "int4 target") + precision_rows(INT4_FULL_LOGITS, "int4 target, full logits"))
+    if name == "peers":
+        return peers_suite(int4)
+    raise SystemExit(f"error: unknown suite {name!r}; use one of default, policies, precisions, int4-peers, "
+                     "spectr-grid, trees, guess, prefill, peers")
