@@ -35,7 +35,8 @@ def check_rows(rows: list[dict]) -> tuple[int, int, list[str]]:
     failures = []
     for r in spec:
         tag = _tag(r)
-        key = next((k for k in ((r["prompt_id"], tag), (r["prompt_id"], tag.split(", ")[0]), (r["prompt_id"], ""))
+        bundle = "[" + tag[1:].split("]")[0].split(", ")[0] + "]" if tag else ""   # "[int4 target, x]" -> "[int4 target]"
+        key = next((k for k in ((r["prompt_id"], tag), (r["prompt_id"], bundle), (r["prompt_id"], ""))
                     if k in plain), None)
         if key is None:
             failures.append(f"prompt {r['prompt_id']} {r['config']}: no target-only row to compare with")

@@ -206,39 +206,62 @@ def _plt():
 
 
 def save(fig, path: Path) -> None:
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1) if getattr(fig, "captioned", False) else None)
     fig.savefig(path, dpi=120)
     _plt().close(fig)
 
 
+def caption(fig, raw: dict, baseline: str) -> None:
+    """What every plot says at its foot: its baseline, its run (command, date, commit) and its machine."""
+    fig.captioned = True
+    meta, machine = raw["meta"], raw["meta"].get("machine", {})
+    flags = ", ".join(machine.get("cpu_flags") or []) or "flags not recorded"
+    fig.text(0.01, 0.005, f"baseline: {baseline}\nrun: {meta.get('command', '?')} ({meta.get('date', '?')[:10]}, git "
+             f"{machine.get('git_commit', '?')}); {len(meta.get('prompts', []))} Spec-Bench prompts, "
+             f"{meta.get('max_new_tokens', '?')} tokens\nmachine: {machine.get('cpu', '?')}, {machine.get('cpus', '?')} "
+             f"CPUs ({flags})", fontsize=6, va="bottom", ha="left", color="dimgray")
+
+
 def plot_speedup_by_task(raw: dict, path: Path, limit: int = 8) -> None:
-    """Bars: speedup per method per task. With many methods, the best L per (temperature, k) is shown."""
+    """Bars: each method's speedup over its own target-only (the same bundle's, or the same peer's)
+    per task; target-only rows are the baselines and not drawn. With many methods, the best L per
+    (temperature, k) is shown."""
     plt = _plt()
     table = {t["method"]: t for t in summary(raw)}
-    tasks = per_task(raw)
-    candidates = [m for m in raw["meta"]["methods"] if not m.get("baseline")]
+    main, own = per_task(raw), per_task(raw, own=True)
+    tasks = {**main, **own}
+    baselines = {m["name"] for m in raw["meta"]["methods"] if m.get("baseline")} | \
+        {m.get("own_baseline") for m in raw["meta"]["methods"] if m.get("own_baseline")}
+    candidates = [m for m in raw["meta"]["methods"] if m["name"] not in baselines and
+                  (m.get("own_baseline") or "[" not in m["name"])]
+    overall = lambda m: table[m["name"]]["vs_own"] if m.get("own_baseline") else table[m["name"]]["speedup"]  # noqa: E731
     if len(candidates) > limit:   # keep the best (by overall speedup) per family
         best = {}
         for m in candidates:
-            fam = (m["tool"], m["temperature"], m["config"].get("k"), "default" in m["name"])
-            s = table[m["name"]]["speedup"]
-            if fam not in best or (s == s and s > table[best[fam]["name"]]["speedup"]):
+            fam = (m["tool"], m["temperature"], m["config"].get("k"), "default" in m["name"], m.get("bundle"))
+            s = overall(m)
+            if fam not in best or (s == s and s is not None and s > (overall(best[fam]) or 0)):
                 best[fam] = m
         candidates = list(best.values())
     names = [m["name"] for m in candidates]
+    if not names:
+        return
     cols = list(next(iter(tasks.values())).keys()) + ["all"]
-    fig, ax = plt.subplots(figsize=(min(14, max(7, 0.22 * len(cols) * len(names) + 2)), 5))
+    fig, ax = plt.subplots(figsize=(min(14, max(7, 0.22 * len(cols) * len(names) + 2)), 5.6))
     width = 0.8 / max(1, len(names))
-    for i, n in enumerate(names):
-        vals = [tasks[n][c] for c in cols[:-1]] + [table[n]["speedup"]]
+    for i, m in enumerate(candidates):
+        per = own[m["name"]] if m.get("own_baseline") else main[m["name"]]
+        vals = [per[c] for c in cols[:-1]] + [overall(m)]
         xs = [j + i * width for j in range(len(cols))]
-        ax.bar(xs, [0 if v != v else v for v in vals], width, label=n.replace("spectr-edge ", ""))
+        ax.bar(xs, [0 if v is None or v != v else v for v in vals], width, label=m["name"].replace("spectr-edge ", ""))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(cols))], cols)
-    ax.set_ylabel("speedup vs target-only (median over prompts)")
-    ax.set_title("Speedup per Spec-Bench task")
+    ax.set_ylabel("speedup over its own target-only (median over prompts)")
+    ax.set_title("Speedup per Spec-Bench task, each method against its own target-only")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(axis="y", alpha=0.3)
+    caption(fig, raw, "each method's own target-only: the same bundle's (a bracketed tag names the bundle), "
+                      "or the same peer tool's")
     save(fig, path)
 
 
@@ -268,8 +291,9 @@ def plot_kl_grid(raw: dict, path: Path) -> bool:
                             color="white", fontsize=8)
         ax.set_xticks(range(len(Ls)), [f"L={L}" for L in Ls])
         ax.set_yticks(range(len(ks)), [f"k={k}" for k in ks])
-        ax.set_title(f"tokens/s (speedup), T={temp:g}")
+        ax.set_title(f"tokens/s (speedup over target-only), T={temp:g}")
         fig.colorbar(im, ax=ax, shrink=0.8)
+    caption(fig, raw, "spectr-edge target-only at the same temperature, same bundle")
     save(fig, path)
     return True
 
@@ -288,6 +312,7 @@ def plot_acceptance(raw: dict, path: Path, limit: int = 10) -> bool:
     ax.set_ylabel("P(accept j | position j verified)")
     ax.set_ylim(0, 1)
     ax.set_title("Acceptance per draft position")
+    caption(fig, raw, "none (the share of drafted tokens the target accepted)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     save(fig, path)
@@ -320,6 +345,7 @@ def plot_tools(raw: dict, path: Path) -> bool:
         ax.set_title(f"T={temp:g}: lower is faster; x = speedup over spectr-edge target-only")
         ax.grid(axis="x", alpha=0.3, which="both")
         ax.set_xlim(right=ax.get_xlim()[1] * 3)
+    caption(fig, raw, "spectr-edge target-only on the run's main bundle (the x factors)")
     save(fig, path)
     return True
 

@@ -68,7 +68,8 @@ def worker_command(key: str, args) -> list[str]:
         return ["env", f"PYTHONPATH={checkout}", PY, str(checkout / "bench" / "workers" / "spectr_worker.py"),
                 "--bundle", rest or args.bundle] + threads
     if tool == "spectr":
-        return [PY, str(BENCH / "workers" / "spectr_worker.py"), "--bundle", rest or args.bundle] + threads
+        return [PY, str(BENCH / "workers" / "spectr_worker.py"), "--bundle", rest or args.bundle,
+                "--provider", args.provider] + threads
     if tool == "hf":   # transformers lives in the project's [export] extra, i.e. this venv
         return [PY, str(BENCH / "workers" / "hf_worker.py"), "--target", str(GGUF / TARGET_GGUF),
                 "--draft", str(GGUF / DRAFT_GGUF), "--eos-ids", STOP_IDS, "--threads", str(args.threads or 2)]
@@ -218,6 +219,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", default=None, help="first-N | stratified-N | ids-A,B (default per suite)")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--provider", default="cpu", help="spectr-edge's execution provider: cpu, cuda, tensorrt")
     ap.add_argument("--tree-bundle", "--int4-bundle", dest="tree_bundle", default=None,
                     help="the int4-target twin the suites compare (default models/default-int4)")
     ap.add_argument("--all-configs", action="store_true", help="spectr-grid: also the dominated k x L rows")

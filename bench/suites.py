@@ -17,6 +17,7 @@ own target-only, or another bundle's), group (methods that must fit in memory to
     guess        the int4 bundle with and without the target's guess head
     prefill      the LM head on the prefill's last position only, against every position (TTFT)
     peers        spectr-edge against ORT GenAI, transformers' assisted generation and llama.cpp
+    gpu          target-only, chains, SpecTr k = 4 and draft trees of 16-32 nodes (run with --provider cuda)
 """
 
 from __future__ import annotations
@@ -195,5 +196,9 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
                 + precision_rows(int4, "int4 target") + precision_rows(INT4_FULL_LOGITS, "int4 target, full logits"))
     if name == "peers":
         return peers_suite(int4)
+    if name == "gpu":           # what a GPU changes: wide verification at about the cost of one decode
+        return [spectr(0.0, 0), spectr(0.0, 1, 6), spectr_default(0.0), tree_method(0.0, 16, 6),
+                tree_method(0.0, 32, 8), spectr(1.0, 0), spectr(1.0, 1, 4), spectr(1.0, 4, 4),
+                tree_method(1.0, 16, 5), tree_method(1.0, 32, 6)]
     raise SystemExit(f"error: unknown suite {name!r}; use one of default, policies, precisions, int4-peers, "
-                     "spectr-grid, trees, guess, prefill, peers")
+                     "spectr-grid, trees, guess, prefill, peers, gpu")

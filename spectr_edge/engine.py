@@ -105,6 +105,7 @@ class Engine:
         self.draft_rows = draft_rows or CostCurve.for_quant(draft.spec.quant if draft is not None else "none")
         self.lookup_table = None          # ngram_table.NgramTable: prompt lookup's guess when nothing matches
         self.prefixes: PrefixCache | None = PrefixCache()   # recent generations' caches, for prefix reuse
+        self.eos_ids: frozenset[int] = frozenset()         # generation stops after any of these
         self.context_length = target.spec.context_length
         if draft is not None:
             self.context_length = min(self.context_length, draft.spec.context_length)
@@ -165,8 +166,6 @@ class Engine:
                 stats.stop_reason = "max_new_tokens"
                 return
         stats.stop_reason = stats.stop_reason or "context"
-
-    eos_ids: frozenset = frozenset()
 
     def _decode(self, ids: list[int], opts: DecodeOptions, rng, stats: GenerationStats) -> Iterator[list[int]]:
         drafter, sampling = self.drafter(opts, stats), opts.sampling

@@ -95,3 +95,39 @@ def test_cpu_transfers_are_one_logits_array_per_call(toy_plain):
     res = gen.generate_ids([1, 2, 3], max_new_tokens=24, temperature=1.0, num_candidates=2, draft_len=3, seed=2)
     assert gen.target.device.transfers.calls == gen.target.calls == res.stats.target_calls
     assert gen.draft.device.transfers.calls == gen.draft.calls > 0
+
+
+def test_the_gather_graph_is_valid_onnx():
+    """The runtime writes its one-node gather graphs as protobuf bytes itself (no onnx package): the
+    checker accepts them and they gather what np.take gathers."""
+    import onnx
+
+    from spectr_edge.device import gather_model
+
+    for dtype, axis in ((np.float32, 2), (np.float16, 0)):
+        model = onnx.load_from_string(gather_model(3, dtype, axis))
+        onnx.checker.check_model(model)
+        assert [n.op_type for n in model.graph.node] == ["Gather"] * 3
+    device = GraphDevice("cpu")
+    x = np.random.default_rng(0).standard_normal((2, 3, 7, 4)).astype(np.float32)
+    got = device.take([device.from_host(x)], np.array([6, 0, 3]), axis=2)[0].numpy()
+    assert np.array_equal(got, np.take(x, [6, 0, 3], axis=2))
+
+
+def test_tensorrt_options_cover_the_engine_calls(tiny_qwen_bundle, tmp_path):
+    """TensorRT gets an engine cache, fp16, a workspace and a shape profile from one row of one token
+    after an empty past to the largest call the engine makes (checked as strings: no GPU here)."""
+    from spectr_edge.bundle import read_bundle
+    from spectr_edge.onnx_model import TensorRTSettings, provider_options
+
+    spec = read_bundle(tiny_qwen_bundle).target
+    chain = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    trt, cuda, cpu = provider_options(chain, spec, TensorRTSettings(engine_cache=str(tmp_path / "trt"), max_rows=4))
+    name, opts = trt
+    assert name == "TensorrtExecutionProvider" and opts["trt_fp16_enable"] == "True"
+    assert opts["trt_engine_cache_path"] == str(tmp_path / "trt") and (tmp_path / "trt").is_dir()
+    lo, hi = opts["trt_profile_min_shapes"], opts["trt_profile_max_shapes"]
+    assert f"{spec.input_ids}:1x1" in lo and f"{spec.input_ids}:4x64" in hi
+    past = spec.past[0][0]
+    assert f"{past}:4x{spec.num_kv_heads}x{spec.context_length}x{spec.head_dim}" in hi
+    assert cuda[0] == "CUDAExecutionProvider" and cpu == "CPUExecutionProvider"

@@ -112,7 +112,8 @@ EOF
 # cost (guesses, 2 cores): fp32 1.5B ~3-6 min, ~7 GB out, peak RAM ~12-14 GB;
 #                         int4 1.5B ~5-10 min (RTN quantization of every MatMul), ~2 GB out;
 #                         int4 0.5B ~2-3 min, ~0.8 GB out
-build qwen1.5b-fp32 qwen1.5b Qwen2.5-Coder-1.5B-Instruct.gguf fp32
+# ORTGENAI_INT4_ONLY=1: the int4 models only (what --suite precisions and int4-peers compare with)
+[ "${ORTGENAI_INT4_ONLY:-0}" = 1 ] || build qwen1.5b-fp32 qwen1.5b Qwen2.5-Coder-1.5B-Instruct.gguf fp32
 build qwen1.5b-int4 qwen1.5b Qwen2.5-Coder-1.5B-Instruct.gguf int4 block_size=32 accuracy_level=4 is_symmetric=true
 build qwen0.5b-int4 qwen0.5b Qwen2.5-Coder-0.5B-Instruct.gguf int4 block_size=32 accuracy_level=4 is_symmetric=true
 rmdir "$OUT/cache" 2>/dev/null || true
