@@ -18,6 +18,8 @@ own target-only, or another bundle's), group (methods that must fit in memory to
     prefill      the LM head on the prefill's last position only, against every position (TTFT)
     peers        spectr-edge against ORT GenAI, transformers' assisted generation and llama.cpp
     gpu          target-only, chains, SpecTr k = 4 and draft trees of 16-32 nodes (run with --provider cuda)
+    adaptation   the float32 default with its draft and with the draft adapted by bench/draft_adaptation.py
+                 (same target: both against the one target-only)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ INT4_BUNDLE = MODELS / "default-int4"               # bench/quant_twin.py --targ
 INT8_BUNDLE = MODELS / "default-int8"               # bench/quant_twin.py --target-quant int8
 W8A8_BUNDLE = MODELS / "default-w8a8"               # bench/quant_twin.py --target-quant w8a8
 INT4_NOHEAD_BUNDLE = MODELS / "default-int4-nohead"  # the int4 twin without its guess head
+ADAPTED = MODELS / "default-adapted"                # bench/draft_adaptation.py
 FULL_LOGITS = MODELS / "default-full-logits"        # bench/full_logits_twin.py
 INT4_FULL_LOGITS = MODELS / "default-int4-full-logits"
 PROMPTS = {"spectr-grid": "first-20", "peers": "stratified-1", "policies": "stratified-1", "trees": "stratified-2",
@@ -196,9 +199,13 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
                 + precision_rows(int4, "int4 target") + precision_rows(INT4_FULL_LOGITS, "int4 target, full logits"))
     if name == "peers":
         return peers_suite(int4)
+    if name == "adaptation":
+        adapted = {**on_bundle(spectr_default(0.0), ADAPTED, "adapted draft"),
+                   "own_baseline": "spectr-edge T=0 target-only"}
+        return [spectr(0.0, 0), spectr_default(0.0), adapted]
     if name == "gpu":           # what a GPU changes: wide verification at about the cost of one decode
         return [spectr(0.0, 0), spectr(0.0, 1, 6), spectr_default(0.0), tree_method(0.0, 16, 6),
                 tree_method(0.0, 32, 8), spectr(1.0, 0), spectr(1.0, 1, 4), spectr(1.0, 4, 4),
                 tree_method(1.0, 16, 5), tree_method(1.0, 32, 6)]
     raise SystemExit(f"error: unknown suite {name!r}; use one of default, policies, precisions, int4-peers, "
-                     "spectr-grid, trees, guess, prefill, peers, gpu")
+                     "spectr-grid, trees, guess, prefill, peers, gpu, adaptation")

@@ -1,4 +1,4 @@
-"""The `spectr-edge` command line: generate, info, export."""
+"""The `spectr-edge` command line: generate, chat, serve, info, tune, export, adapt."""
 
 from __future__ import annotations
 
@@ -109,6 +109,11 @@ EXECUTION = _options(
     click.option("--draft-provider", type=PROVIDERS, default=None,
                  help="Draft execution provider [default: --provider]."),
     click.option("--threads", type=int, default=None, help="Intra-op threads per session [default: ORT's choice]."),
+    click.option("--record", "record_dir", type=click.Path(), default=None,
+                 help="Append every generation's token ids and the target's top-16 log-probabilities to "
+                      "DIR/traffic.jsonl (off by default; data to adapt the draft on)."),
+    click.option("--record-max-mb", type=click.IntRange(min=1), default=1024, show_default=True,
+                 help="The recording stops growing at this size."),
 )
 
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty",
@@ -131,8 +136,14 @@ def _load(kw: dict, prefix_cache: bool = True, every_policy: bool = False):
         raise click.BadParameter("must be >= 0", param_hint="--num-candidates")
     b = read_bundle(kw.pop("bundle"))
     policy = {k: kw.pop(k) for k in POLICY_ARGS}
+    record_dir, record_mb = kw.pop("record_dir"), kw.pop("record_max_mb")
+    record = None
+    if record_dir is not None:
+        from .recording import Recorder
+        record = Recorder(record_dir, b.tokenizer.vocab_size, b.tokenizer.vocab_sha256, max_bytes=record_mb << 20)
     gen = Generator(b, provider=kw.pop("provider"), draft_provider=kw.pop("draft_provider"), threads=kw.pop("threads"),
-                    load_draft=every_policy or _needs_draft(b, kw["temperature"], policy), prefix_cache=prefix_cache)
+                    load_draft=every_policy or _needs_draft(b, kw["temperature"], policy), prefix_cache=prefix_cache,
+                    record=record)
     options = {**{k: kw.pop(k) for k in SAMPLING_KEYS}, "draft_window": kw.pop("draft_window"), **policy}
     gen.options(**{k: v for k, v in options.items() if k not in ("seed", "stop")})   # checked before any output
     k = policy["num_candidates"]
@@ -467,6 +478,34 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
                                   tree_mask=not no_tree_mask, guess_head=guess_head,
                                   lookup_conversation_tokens=lookup_conversation_tokens, **options)
     click.echo(f"bundle written to {path}")
+
+
+@main.command()
+@click.option("--bundle", type=click.Path(), default=None, help="Bundle directory [default: models/default].")
+@click.option("--from", "recording_dir", required=True, type=click.Path(),
+              help="The recording directory (written by generate, chat or serve with --record DIR).")
+@click.option("--draft-source", default=None,
+              help="The HF directory, GGUF file or hub id the draft was exported from [default: the preset's].")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=15.0, show_default=True,
+              help="Training time budget.")
+@click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True,
+              help="The draft's last decoder layers that are trained (the rest stays frozen).")
+@click.option("--held-out", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.2,
+              show_default=True, help="Part of the recorded generations kept out of training to compare the drafts.")
+@click.option("--lr", type=click.FloatRange(min=0), default=5e-5, show_default=True, help="AdamW learning rate.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after this many sequence steps.")
+@click.option("--threads", type=int, default=None, help="Threads for training and measuring [default: all].")
+@click.option("--dry-run", is_flag=True, help="Train and measure, but leave the bundle unchanged.")
+def adapt(bundle, recording_dir, draft_source, minutes, layers, held_out, lr, max_steps, threads, dry_run):
+    """Adapt the bundle's draft to recorded traffic (the target's recorded distributions as teacher);
+    installed only when it accepts more on held-out records."""
+    _require_export_extra(["torch", "transformers", "optimum.exporters.onnx", "onnx", "onnx_ir", "gguf"])
+    from .bundle import read_bundle
+
+    path = read_bundle(bundle).path                # a clear error for a missing or corrupt bundle
+    from spectr_edge_export.adapt import adapt_bundle
+    adapt_bundle(path, recording_dir, draft_source=draft_source, minutes=minutes, layers=layers, held_out=held_out,
+                 lr=lr, max_steps=max_steps, threads=threads, dry_run=dry_run, log=click.echo)
 
 
 def _require_export_extra(modules: list[str]) -> None:

@@ -29,6 +29,7 @@ from .onnx_model import OnnxLM
 from .options import DecodeOptions
 from .policy import AdaptiveLength, CostCurve
 from .prefix_cache import CachedPrefix, PrefixCache
+from .recording import Recorder, Recording
 from .sampling import SamplingParams, TokenHistory, greedy_token, logits_to_probs, sample
 from .stats import GenerationStats
 from .trees import SequoiaShape, TokenTrie
@@ -43,6 +44,13 @@ class Scored:
     row_of: np.ndarray | None     # KSEQ: candidate -> distinct row
     replicated: bool              # scored as k rows of a replicated cache
     tokens: int                   # tokens the call scored (before any padding)
+
+
+def _kept_logits(s: Scored, o: Outcome) -> np.ndarray:
+    """The target's logits that predicted each emitted token # [len(o.tokens), W]."""
+    if s.replicated:
+        return s.row_logits[int(s.row_of[o.survivor])][:len(o.tokens)]
+    return s.node_logits[np.asarray(o.path[:len(o.tokens)], dtype=np.int64)]
 
 
 def _greedy(p: Proposal, s: Scored, sampling, vocab, rng) -> Outcome:
@@ -106,6 +114,7 @@ class Engine:
         self.lookup_table = None          # ngram_table.NgramTable: prompt lookup's guess when nothing matches
         self.prefixes: PrefixCache | None = PrefixCache()   # recent generations' caches, for prefix reuse
         self.eos_ids: frozenset[int] = frozenset()         # generation stops after any of these
+        self.recorder: Recorder | None = None              # opt-in: the target's top-k at kept positions
         self.context_length = target.spec.context_length
         if draft is not None:
             self.context_length = min(self.context_length, draft.spec.context_length)
@@ -171,7 +180,8 @@ class Engine:
         drafter, sampling = self.drafter(opts, stats), opts.sampling
         history = TokenHistory(ids) if sampling.penalized else None       # what penalties read
         cache, reused = self._cache_for(ids, stats)
-        ids.append(self._prefill(ids, cache, sampling, rng, stats, history))
+        record = self.recorder.request(ids) if self.recorder is not None else None
+        ids.append(self._prefill(ids, cache, sampling, rng, stats, history, record))
         drafter.start(ids, opts.draft_window, reused)
         wants_guess = drafter.wants_guess and self.target.spec.guess is not None
         guess = self.target.guess_after(-1) if wants_guess else None
@@ -190,6 +200,8 @@ class Engine:
                 t2 = clock()
                 outcome = RULES[rule(proposal)](proposal, scored, sampling, self.vocab_size, rng)     # 3. select
                 t3 = clock()
+                if record is not None:
+                    record.add(_kept_logits(scored, outcome), outcome.tokens)
                 self._commit(ids, cache, scored, outcome)                                             # 4. commit
                 drafter.update(proposal, outcome)                                                     # 5. update
                 stats.record_step(proposal.rows, proposal.kind, scored.tokens, scored.trie.tokens.size - 1,
@@ -204,6 +216,8 @@ class Engine:
                 clean = True
                 yield outcome.tokens
         finally:
+            if record is not None:
+                record.close()
             if clean and self.prefixes is not None:      # between steps: both caches hold what they say
                 self.prefixes.put(CachedPrefix(tuple(ids[:-1]), cache, *drafter.draft_state()))
 
@@ -219,7 +233,7 @@ class Engine:
         return entry.target, entry
 
     def _prefill(self, ids: list[int], cache, sampling: SamplingParams, rng, stats: GenerationStats,
-                 history: TokenHistory | None = None) -> int:
+                 history: TokenHistory | None = None, record: Recording | None = None) -> int:
         """Run the prompt's tokens the cache does not hold through the target; the first new token."""
         new = np.asarray([ids[cache.length:]], dtype=np.int64)                       # [1, P - cached]
         logits = self.target.forward(new, cache, last=1)[0, -1]                        # [W]
@@ -229,6 +243,8 @@ class Engine:
             logits = history.penalize(logits, sampling)
         first = self._choose(logits, sampling, rng)
         stats.add_times(select=time.perf_counter() - t0)
+        if record is not None:
+            record.add(logits[None], [first])
         if history is not None:
             history.extend([first])
         return first

@@ -28,6 +28,7 @@ from .onnx_model import OnnxLM, TensorRTSettings
 from .options import DEFAULT_MAX_NEW_TOKENS, DecodeOptions, resolve, tuned_options  # noqa: F401 (API)
 from .policy import CostCurve, default_draft_cost
 from .prefix_cache import PrefixCache
+from .recording import Recorder
 from .stats import GenerationStats
 from .text import TextCodec, TextStream
 
@@ -50,7 +51,7 @@ class Generator:
 
     def __init__(self, bundle: Bundle, provider: str = "auto", draft_provider: str | None = None,
                  threads: int | None = None, load_draft: bool = True, tensorrt: TensorRTSettings | None = None,
-                 prefix_cache: bool | PrefixCache = True):
+                 prefix_cache: bool | PrefixCache = True, record: str | os.PathLike | Recorder | None = None):
         threads = check.threads(threads)
         self.bundle = bundle
         self.codec = TextCodec(bundle.tokenizer)
@@ -73,6 +74,9 @@ class Generator:
         # keep the latest generations' caches (True: the defaults; a PrefixCache: its bounds; False: none)
         self.engine.prefixes = prefix_cache if isinstance(prefix_cache, PrefixCache) else \
             (PrefixCache() if check.flag(prefix_cache, "prefix_cache") else None)
+        if record is not None:          # opt-in: the target's top-k log-probabilities of every generation
+            self.engine.recorder = record if isinstance(record, Recorder) else \
+                Recorder(record, bundle.tokenizer.vocab_size, bundle.tokenizer.vocab_sha256)
         self._lock = threading.Lock()
         if bundle.lookup_table is not None:
             try:
@@ -223,9 +227,12 @@ async def _async_iter(sync_iter):
 
 def load(path: str | os.PathLike | None = None, provider: str = "auto", draft_provider: str | None = None,
          threads: int | None = None, load_draft: bool = True, tensorrt: TensorRTSettings | None = None,
-         prefix_cache: bool | PrefixCache = True) -> Generator:
+         prefix_cache: bool | PrefixCache = True, record: str | os.PathLike | Recorder | None = None) -> Generator:
     """Load a bundle (default: models/default) with the given execution providers (per model: the draft
     may run on another device than the target); tensorrt: engine cache, fp16, workspace; prefix_cache:
     keep recent generations' KV caches for prompts that extend them (False: off; a PrefixCache: its
-    bounds)."""
-    return Generator(read_bundle(path), provider, draft_provider, threads, load_draft, tensorrt, prefix_cache)
+    bounds); record: a directory where every generation's token ids and the target's top-k
+    log-probabilities are appended (recording.py: the teacher signal a draft can be adapted on), or a
+    Recorder."""
+    return Generator(read_bundle(path), provider, draft_provider, threads, load_draft, tensorrt, prefix_cache,
+                     record)

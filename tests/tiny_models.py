@@ -234,6 +234,25 @@ def build_tiny_qwen_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
                          lookup_conversation_tokens=TINY_CONVERSATION_TOKENS, guess_head=True, log=log)
 
 
+def weak_draft_source(bundle: Path) -> Path:
+    """Where build_weak_draft_bundle keeps its draft's Hugging Face weights (what adapt retrains)."""
+    return Path(bundle).with_name(Path(bundle).name + "-draft-source")
+
+
+def build_weak_draft_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
+    """tiny-qwen's float32 target with a 2-layer draft whose weights carry 40% noise: it agrees with
+    the target on under a fifth of the tokens, so adapting it has something to learn."""
+    from spectr_edge_export import export_bundle
+
+    tok = make_tokenizer(work / "tokenizer")
+    target = make_qwen(work / "qwen", tok)
+    source = weak_draft_source(out)
+    shutil.rmtree(source, ignore_errors=True)
+    draft = make_draft(target, source, num_layers=2, noise=0.4, seed=11)
+    return export_bundle(out, target=str(target), draft=str(draft), lookup_conversation_tokens=0,
+                         guess_head=False, log=log)
+
+
 def source_key(*extra: str) -> str:
     """Hash of the code and package versions a cached test bundle depends on."""
     import hashlib

@@ -1,0 +1,287 @@
+"""Adapting a bundle's draft to the traffic it serves (`spectr-edge adapt`): online speculative
+decoding's distillation, run on what `--record DIR` kept (spectr_edge/recording.py).
+
+    adapt_bundle(bundle, recording_dir, draft_source=None, minutes=15, layers=4, ...)
+
+1. The records whose vocabulary is the bundle's are split (seeded) into training and held-out parts.
+2. The draft's float32 weights are loaded from its source (the preset's GGUF, or --draft-source) and
+   its last `layers` decoder layers and final norm are trained (the embeddings and LM head stay
+   frozen) to minimize the cross-entropy from the target's recorded top-k distribution (renormalized
+   over its k tokens) at every recorded position, for at most `minutes`.
+3. The trained draft goes through the export path again: ONNX export and parity check, the bundle
+   draft's quantization (kind and block size), tree mask and logits input as the old graph had.
+4. The old and the new ONNX drafts are scored on the held-out records, teacher-forced on the recorded
+   text: greedy acceptance at each chain position j (the draft's argmax equals the target's at j
+   consecutive positions) and at temperature 1 the first position's acceptance (sum of min(p, q) over
+   the target's top-k). The new draft is installed only when it accepts more tokens per 6-token chain
+   than the old; otherwise the bundle is left as it was.
+5. Installing swaps the draft directory and rewrites the manifest, which records what the draft was
+   adapted on and both measurements. The target decides the output's law, so whatever the draft
+   learned, output stays lossless.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from spectr_edge.errors import ExportError
+
+CHAIN = 6                      # the chain length the acceptance comparison is made for
+
+
+@dataclass
+class Sequence:
+    ids: list[int]             # the prompt's last tokens + the recorded tokens
+    start: int                 # ids[start] is the first recorded token
+    top_ids: np.ndarray        # [n, k] the target's top-k ids over ids[start + i]
+    top_p: np.ndarray          # [n, k] their probabilities, renormalized over the k
+    top_raw: np.ndarray        # [n, k] their probabilities
+
+
+def sequences(records, max_context: int) -> list[Sequence]:
+    """Records cut to their last max_context tokens (the prompt is cut first)."""
+    out = []
+    for r in records:
+        n = min(len(r.tokens), max_context - 1)
+        keep = max_context - n
+        prompt = r.prompt[-keep:]
+        p = np.exp(r.top_logprobs[:n].astype(np.float64))
+        out.append(Sequence(prompt + r.tokens[:n], len(prompt), r.top_ids[:n],
+                            (p / p.sum(axis=1, keepdims=True)).astype(np.float32), p.astype(np.float32)))
+    return out
+
+
+# -- acceptance of an ONNX draft, teacher-forced ------------------------------------------------------
+def acceptance(lm, seqs: list[Sequence], vocab_size: int, chain: int = CHAIN) -> dict:
+    """Greedy acceptance per chain position and the temperature-1 first-position acceptance of the
+    ONNX draft `lm` (an OnnxLM) over held-out sequences."""
+    match, overlap = [], []
+    for s in seqs:
+        logits = lm.forward(np.asarray([s.ids[:-1]], dtype=np.int64), lm.new_cache())[0]   # [T-1, W]
+        logits = logits[s.start - 1:, :vocab_size].astype(np.float64)                       # [n, V]
+        match.append(logits.argmax(axis=1) == s.top_ids[:, 0])
+        q = np.exp(logits - logits.max(axis=1, keepdims=True))
+        q /= q.sum(axis=1, keepdims=True)
+        overlap.append(np.minimum(s.top_raw, np.take_along_axis(q, s.top_ids.astype(np.int64), axis=1)).sum(axis=1))
+    per_position = []
+    for j in range(1, chain + 1):       # all of positions t .. t + j - 1 agree
+        runs = [np.convolve(m.astype(int), np.ones(j, dtype=int), "valid") == j for m in match if len(m) >= j]
+        per_position.append(float(np.mean(np.concatenate(runs))) if runs else 0.0)
+    return {"positions": int(sum(map(len, match))), "greedy_per_position": per_position,
+            "greedy_tokens_per_chain": float(sum(per_position)),
+            "first_position_t1": float(np.mean(np.concatenate(overlap))) if overlap else 0.0}
+
+
+def describe(a: dict) -> str:
+    pos = " ".join(f"{x:.2f}" for x in a["greedy_per_position"])
+    return (f"greedy acceptance by chain position {pos} ({a['greedy_tokens_per_chain']:.2f} tokens per "
+            f"{len(a['greedy_per_position'])}-token chain); temperature 1, first position {a['first_position_t1']:.2f}")
+
+
+# -- training ---------------------------------------------------------------------------------------
+def train(model, seqs: list[Sequence], layers: int, minutes: float, lr: float, max_steps: int | None,
+          seed: int, log: Callable[[str], None]) -> dict:
+    """Train the last `layers` decoder layers and the final norm of a transformers causal LM on the
+    target's recorded distributions; stops after `minutes` or `max_steps` sequence steps."""
+    import torch
+
+    torch.manual_seed(seed)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    blocks = decoder.layers
+    if not 1 <= layers <= len(blocks):
+        raise ExportError(f"--layers must be in [1, {len(blocks)}] for this draft, got {layers}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    trained = [p for block in blocks[len(blocks) - layers:] for p in block.parameters()] + list(decoder.norm.parameters())
+    for p in trained:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
+    model.train()
+    order, rng = list(range(len(seqs))), random.Random(seed)
+    started, steps, losses, deadline = time.perf_counter(), 0, [], minutes * 60
+    budget = max_steps if max_steps is not None else None
+    report_every, next_report = 15.0, 15.0
+    while True:
+        rng.shuffle(order)
+        for i in order:
+            s = seqs[i]
+            ids = torch.tensor([s.ids[:-1]], dtype=torch.long)
+            logits = model(input_ids=ids).logits[0, s.start - 1:]                      # [n, W]
+            logq = torch.log_softmax(logits.float(), dim=-1)
+            top = torch.from_numpy(s.top_ids.astype(np.int64))
+            loss = -(torch.from_numpy(s.top_p) * logq.gather(1, top)).sum(dim=1).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
+            opt.step()
+            steps += 1
+            losses.append(loss.item())
+            elapsed = time.perf_counter() - started
+            if elapsed >= next_report:
+                next_report += report_every
+                left = (deadline - elapsed) if budget is None else elapsed / steps * (budget - steps)
+                log(f"      step {steps}{'/' + str(budget) if budget else ''}: loss {np.mean(losses[-20:]):.3f}, "
+                    f"{elapsed:.0f} s, about {max(left, 0):.0f} s left")
+            if (budget is not None and steps >= budget) or (budget is None and elapsed >= deadline):
+                model.eval()
+                return {"steps": steps, "seconds": round(elapsed, 1), "first_loss": round(losses[0], 4),
+                        "last_loss": round(float(np.mean(losses[-20:])), 4), "layers": layers, "lr": lr}
+
+
+# -- the whole command ------------------------------------------------------------------------------
+def _draft_source(manifest: dict, given: str | None):
+    """The draft's source: the one given, or the preset GGUF whose sha256 the manifest names."""
+    from . import presets
+
+    if given is not None:
+        return given
+    source = str(manifest["models"]["draft"].get("source", ""))
+    for preset in presets.PRESETS.values():
+        spec = preset.draft
+        if isinstance(spec, presets.GGUFSpec) and spec.sha256 in source:
+            return spec
+    raise ExportError("the draft's source is not a preset this version knows; pass --draft-source with the "
+                      "Hugging Face directory, GGUF file or hub id the draft was exported from")
+
+
+def _spec(directory: Path, entry: dict):
+    from spectr_edge.bundle import _Fields, _model_spec
+
+    return _model_spec(directory, "draft", _Fields(entry, "models.draft"))
+
+
+def adapt_bundle(bundle, recording_dir, draft_source: str | None = None, minutes: float = 15.0, layers: int = 4,
+                 held_out: float = 0.2, lr: float = 5e-5, max_context: int = 384, max_steps: int | None = None,
+                 seed: int = 0, threads: int | None = None, dry_run: bool = False,
+                 log: Callable[[str], None] = print) -> dict:
+    """Adapt the bundle's draft on the recorded traffic; install it when it accepts more on held-out
+    records. Returns a report (both acceptances, training, installed or not)."""
+    from spectr_edge import recording
+    from spectr_edge.bundle import bundle_from_manifest, write_manifest
+    from spectr_edge.onnx_model import OnnxLM
+
+    from . import tokenizer_fix
+    from .pipeline import Progress, _add_tree_mask, _fp32_graph, _place, _probe_ids, _resolve
+    from .logits_keep import upgrade_entry
+    from .writer import existing_manifest
+
+    if not 0 < held_out < 1:
+        raise ExportError(f"--held-out must be a fraction in (0, 1), got {held_out}")
+    if not minutes > 0:
+        raise ExportError(f"--minutes must be positive, got {minutes}")
+    bundle = Path(bundle).expanduser().absolute()
+    manifest = existing_manifest(bundle)
+    b = bundle_from_manifest(bundle, manifest)
+    if b.draft is None:
+        raise ExportError(f"{bundle} has no draft model to adapt; export one with --draft")
+    records = [r for r in recording.read(recording_dir) if r.vocab_sha256 in (None, b.tokenizer.vocab_sha256)]
+    tokens = sum(len(r.tokens) for r in records)
+    if len(records) < 4 or tokens < 64:
+        raise ExportError(f"{recording_dir} holds {len(records)} generations ({tokens} tokens) recorded with this "
+                          "bundle's vocabulary; record at least 4 generations and 64 tokens (--record DIR)")
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    n_held = max(1, round(held_out * len(records)))
+    held = sequences([records[i] for i in order[:n_held]], max_context)
+    fit = sequences([records[i] for i in order[n_held:]], max_context)
+    log(f"{len(records)} recorded generations ({tokens} tokens): {len(fit)} to train on, {len(held)} held out")
+
+    old_entry = manifest["models"]["draft"]
+    # measure, load, train, export, parity, [quantize], [tree mask], measure
+    progress = Progress(log, 6 + (old_entry.get("quant", "none") != "none") + bool(old_entry.get("tree_mask")))
+    work = bundle.parent / f".{bundle.name}.adapt-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        with progress.step("measuring the current draft on the held-out records"):
+            before = acceptance(OnnxLM(b.draft, provider="cpu", threads=threads), held, b.tokenizer.vocab_size)
+            log(f"      {describe(before)}")
+        with progress.step("loading the draft's float32 weights from its source"):
+            src = _resolve(_draft_source(manifest, draft_source), work, "draft", log)
+            tok = tokenizer_fix.read_tokenizer(src.dir)
+            if tok.vocab_sha256 != b.tokenizer.vocab_sha256:
+                raise ExportError(f"the draft source {src.description} has another vocabulary than the bundle; "
+                                  "pass the source the bundle's draft was exported from")
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            if threads:
+                torch.set_num_threads(threads)
+            model = AutoModelForCausalLM.from_pretrained(str(src.dir), dtype=torch.float32)
+        with progress.step(f"training the draft's last {layers} layers on the target's distributions "
+                           f"(at most {minutes:g} min)"):
+            training = train(model, fit, layers, minutes, lr, max_steps, seed, log)
+            log(f"      {training['steps']} steps, loss {training['first_loss']:.3f} -> {training['last_loss']:.3f}")
+        adapted_dir = work / "adapted-hf"
+        model.save_pretrained(str(adapted_dir))
+        del model
+        for f in src.dir.iterdir():               # the tokenizer files, as the source had them
+            if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json",
+                                                                           "merges.txt", "generation_config.json")):
+                shutil.copy2(f, adapted_dir / f.name)
+        from .sources import Source
+
+        adapted = Source("hf", adapted_dir, f"{old_entry.get('source', 'the draft')}, adapted on {tokens} recorded "
+                                            "tokens")
+        stage = work / "stage"
+        (stage / "draft").mkdir(parents=True)
+        shutil.copy2(b.draft.tokenizer_file or b.tokenizer.file, stage / "draft" / "tokenizer.json")
+        ids = _probe_ids(tok, (bundle / "tokenizer.json").read_text(encoding="utf-8"))
+        quant = old_entry.get("quant", "none")
+        graph = _fp32_graph("draft", adapted, work, progress, ids)
+        entry = _place("draft", graph, quant, stage, progress, ids, tok, adapted.description, move=True,
+                       block_size=int(old_entry.get("quant_block_size", 32)))
+        if old_entry.get("tree_mask"):
+            entry = _add_tree_mask("draft", entry, stage, progress, ids, fuse=old_entry.get("attention") == "gqa")
+        if old_entry.get("inputs", {}).get("logits_keep"):
+            entry = upgrade_entry(stage, "draft", entry, log)
+        for key in ("decode_cost", "decode_rows_curve"):      # this machine's measured costs stay valid
+            if key in old_entry:
+                entry[key] = old_entry[key]
+        with progress.step("measuring the adapted draft on the held-out records"):
+            after = acceptance(OnnxLM(_spec(stage, entry), provider="cpu", threads=threads), held,
+                               b.tokenizer.vocab_size)
+            log(f"      {describe(after)}")
+        better = after["greedy_tokens_per_chain"] > before["greedy_tokens_per_chain"]
+        report = {"records": len(records), "tokens": tokens, "train_records": len(fit), "held_out_records": len(held),
+                  "training": training, "before": before, "after": after,
+                  "installed": bool(better and not dry_run)}
+        if not better:
+            log(f"not installed: the adapted draft accepts {after['greedy_tokens_per_chain']:.2f} tokens per "
+                f"{CHAIN}-token chain on the held-out records against {before['greedy_tokens_per_chain']:.2f} for the "
+                f"current one; {bundle} is unchanged")
+            return report
+        if dry_run:
+            log(f"dry run: the adapted draft would be installed; {bundle} is unchanged")
+            return report
+        entry["adapted"] = {"recording": str(Path(recording_dir).absolute()), "generations": len(records),
+                            "tokens": tokens, "date": time.strftime("%Y-%m-%d"), "training": training,
+                            "held_out_before": before, "held_out_after": after, "previous_source": old_entry.get("source")}
+        new_manifest = json.loads(json.dumps(manifest))
+        new_manifest["models"]["draft"] = {**entry, "file": "draft/model.onnx",
+                                           "tokenizer_file": "draft/tokenizer.json"}
+        old = bundle / f".draft.replaced-{os.getpid()}"
+        os.replace(bundle / "draft", old)              # the old draft stays until the new one is in place
+        try:
+            os.replace(stage / "draft", bundle / "draft")
+            bundle_from_manifest(bundle, new_manifest)    # the manifest describes the files now in place
+        except BaseException:
+            shutil.rmtree(bundle / "draft", ignore_errors=True)
+            os.replace(old, bundle / "draft")
+            raise
+        write_manifest(bundle, new_manifest)
+        shutil.rmtree(old, ignore_errors=True)
+        log(f"{bundle}: adapted draft installed (greedy tokens per {CHAIN}-token chain "
+            f"{before['greedy_tokens_per_chain']:.2f} -> {after['greedy_tokens_per_chain']:.2f} on held-out records)")
+        return report
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
