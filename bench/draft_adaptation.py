@@ -48,7 +48,7 @@ def main() -> None:
         started = time.perf_counter()
         for i, q in enumerate(prompts):
             res = gen.generate(q["prompt"], max_new_tokens=args.max_new_tokens)
-            print(f"recorded {i + 1}/{len(prompts)}: prompt {q['question_id']}, {res.stats.new_tokens} tokens, "
+            print(f"recorded {i + 1}/{len(prompts)}: prompt {q['id']}, {res.stats.new_tokens} tokens, "
                   f"{res.stats.tokens_per_target_call:.2f} tokens per target call", flush=True)
         record_s = time.perf_counter() - started
         del gen

@@ -50,7 +50,7 @@ def spectr(temperature: float, k: int, L: int = 0, stop: float | None = None, la
         cfg["stop"] = 0.0 if stop is None else stop
     cfg.update(config)
     if label is None:
-        label = "target-only" if k == 0 else f"k={k} L={L}" + (f" stop {stop:g}" if stop else "")
+        label = "target-only" if k == 0 else f"k={k} L={L}" + (f" draft_stop={stop:g}" if stop else "")
     return {"name": f"spectr-edge T={temperature:g} {label}", "tool": "spectr-edge", "worker": "spectr",
             "config": cfg, "temperature": temperature, "baseline": k == 0}
 
@@ -182,7 +182,7 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
     if name == "trees":
         ml = dict(drafter="model+lookup", stop=0.0)
         return [spectr(0.0, 0), spectr_default(0.0), tree_method(0.0, 8, 6, **ml), tree_method(0.0, 12, 6, **ml),
-                spectr(0.0, 1, 6, stop=0.5, label="model+lookup side leaves, 2 branches L=6 stop 0.5",
+                spectr(0.0, 1, 6, stop=0.5, label="model+lookup side leaves, 2 branches L=6 draft_stop=0.5",
                        drafter="model+lookup", branches=2),
                 spectr(1.0, 0), spectr_default(1.0), spectr(1.0, 1, 4), spectr(1.0, 2, 3),
                 tree_method(1.0, 8, 4), tree_method(1.0, 12, 5)]

@@ -7,7 +7,9 @@ decoding's distillation, run on what `--record DIR` kept (spectr_edge/recording.
 2. The draft's float32 weights are loaded from its source (the preset's GGUF, or --draft-source) and
    its last `layers` decoder layers and final norm are trained (the embeddings and LM head stay
    frozen) to minimize the cross-entropy from the target's recorded top-k distribution (renormalized
-   over its k tokens) at every recorded position, for at most `minutes`.
+   over its k tokens) at every recorded position, for at most `minutes`; 15% of the training
+   records are set aside, and training keeps the weights of their best loss and stops when it has
+   not improved for two passes.
 3. The trained draft goes through the export path again: ONNX export and parity check, the bundle
    draft's quantization (kind and block size), tree mask and logits input as the old graph had.
 4. The old and the new ONNX drafts are scored on the held-out records, teacher-forced on the recorded
@@ -88,10 +90,22 @@ def describe(a: dict) -> str:
 
 
 # -- training ---------------------------------------------------------------------------------------
+def _loss(model, s: Sequence):
+    """Cross-entropy from the target's renormalized top-k to the model, over s's recorded positions."""
+    import torch
+
+    ids = torch.tensor([s.ids[:-1]], dtype=torch.long)
+    logq = torch.log_softmax(model(input_ids=ids).logits[0, s.start - 1:].float(), dim=-1)     # [n, W]
+    top = torch.from_numpy(s.top_ids.astype(np.int64))
+    return -(torch.from_numpy(s.top_p) * logq.gather(1, top)).sum(dim=1).mean()
+
+
 def train(model, seqs: list[Sequence], layers: int, minutes: float, lr: float, max_steps: int | None,
-          seed: int, log: Callable[[str], None]) -> dict:
+          seed: int, log: Callable[[str], None], validation: list[Sequence] = (), patience: int = 2) -> dict:
     """Train the last `layers` decoder layers and the final norm of a transformers causal LM on the
-    target's recorded distributions; stops after `minutes` or `max_steps` sequence steps."""
+    target's recorded distributions; stops after `minutes` or `max_steps` sequence steps, or when the
+    loss on `validation` has not improved for `patience` passes, and keeps the weights of its best
+    validation loss."""
     import torch
 
     torch.manual_seed(seed)
@@ -110,15 +124,32 @@ def train(model, seqs: list[Sequence], layers: int, minutes: float, lr: float, m
     started, steps, losses, deadline = time.perf_counter(), 0, [], minutes * 60
     budget = max_steps if max_steps is not None else None
     report_every, next_report = 15.0, 15.0
+    best, best_state, stale, passes = float("inf"), None, 0, 0
+
+    def validate() -> float:
+        model.eval()
+        with torch.no_grad():
+            value = float(np.mean([_loss(model, v).item() for v in validation]))
+        model.train()
+        return value
+
+    def finish(reason: str) -> dict:
+        if best_state is not None:           # the weights of the best validation loss
+            with torch.no_grad():
+                for p, saved in zip(trained, best_state):
+                    p.copy_(saved)
+        model.eval()
+        return {"steps": steps, "seconds": round(time.perf_counter() - started, 1), "first_loss": round(losses[0], 4),
+                "last_loss": round(float(np.mean(losses[-20:])), 4), "layers": layers, "lr": lr, "passes": passes,
+                "validation_loss": None if best_state is None else round(best, 4), "stopped": reason}
+
+    if validation:
+        best = validate()
+        log(f"      validation loss before training {best:.3f} ({len(validation)} generations)")
     while True:
         rng.shuffle(order)
         for i in order:
-            s = seqs[i]
-            ids = torch.tensor([s.ids[:-1]], dtype=torch.long)
-            logits = model(input_ids=ids).logits[0, s.start - 1:]                      # [n, W]
-            logq = torch.log_softmax(logits.float(), dim=-1)
-            top = torch.from_numpy(s.top_ids.astype(np.int64))
-            loss = -(torch.from_numpy(s.top_p) * logq.gather(1, top)).sum(dim=1).mean()
+            loss = _loss(model, seqs[i])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -132,9 +163,18 @@ def train(model, seqs: list[Sequence], layers: int, minutes: float, lr: float, m
                 log(f"      step {steps}{'/' + str(budget) if budget else ''}: loss {np.mean(losses[-20:]):.3f}, "
                     f"{elapsed:.0f} s, about {max(left, 0):.0f} s left")
             if (budget is not None and steps >= budget) or (budget is None and elapsed >= deadline):
-                model.eval()
-                return {"steps": steps, "seconds": round(elapsed, 1), "first_loss": round(losses[0], 4),
-                        "last_loss": round(float(np.mean(losses[-20:])), 4), "layers": layers, "lr": lr}
+                return finish("budget")
+        passes += 1
+        if validation:                       # after every pass over the training records
+            value = validate()
+            if value < best:
+                best, stale = value, 0
+                best_state = [p.detach().clone() for p in trained]
+            else:
+                stale += 1
+            log(f"      pass {passes}: validation loss {value:.3f} (best {best:.3f})")
+            if stale >= patience:
+                return finish("validation loss stopped improving")
 
 
 # -- the whole command ------------------------------------------------------------------------------
@@ -193,7 +233,10 @@ def adapt_bundle(bundle, recording_dir, draft_source: str | None = None, minutes
     n_held = max(1, round(held_out * len(records)))
     held = sequences([records[i] for i in order[:n_held]], max_context)
     fit = sequences([records[i] for i in order[n_held:]], max_context)
-    log(f"{len(records)} recorded generations ({tokens} tokens): {len(fit)} to train on, {len(held)} held out")
+    n_val = round(0.15 * len(fit)) if len(fit) >= 8 else 0        # for early stopping; not the held-out part
+    validation, fit = fit[:n_val], fit[n_val:]
+    log(f"{len(records)} recorded generations ({tokens} tokens): {len(fit)} to train on, {n_val} to stop "
+        f"training by, {len(held)} held out to compare the drafts")
 
     old_entry = manifest["models"]["draft"]
     # measure, load, train, export, parity, [quantize], [tree mask], measure
@@ -219,8 +262,9 @@ def adapt_bundle(bundle, recording_dir, draft_source: str | None = None, minutes
             model = AutoModelForCausalLM.from_pretrained(str(src.dir), dtype=torch.float32)
         with progress.step(f"training the draft's last {layers} layers on the target's distributions "
                            f"(at most {minutes:g} min)"):
-            training = train(model, fit, layers, minutes, lr, max_steps, seed, log)
-            log(f"      {training['steps']} steps, loss {training['first_loss']:.3f} -> {training['last_loss']:.3f}")
+            training = train(model, fit, layers, minutes, lr, max_steps, seed, log, validation)
+            log(f"      {training['steps']} steps, {training['passes']} passes, training loss {training['first_loss']:.3f} "
+                f"-> {training['last_loss']:.3f}; stopped: {training['stopped']}")
         adapted_dir = work / "adapted-hf"
         model.save_pretrained(str(adapted_dir))
         del model

@@ -269,8 +269,9 @@ def serve(host, port, model_name, max_queue, max_tokens, prefix_cache, **kw):
         _fail("spectr-edge serve needs the serve extra: pip install 'spectr-edge[serve]'")
     from .server import ServerSettings, serve as run_server
 
-    for key in SAMPLING_KEYS:              # sampling comes from each request
-        kw.setdefault(key, {"temperature": 1.0, "max_new_tokens": 16, "stop": ()}.get(key))
+    # sampling comes from each request; these only let the speculation options be checked at start
+    kw.update(max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+              repetition_penalty=1.0, seed=None, stop=())
     gen, options = _load(kw, prefix_cache=prefix_cache, every_policy=True)
     speculation = {k: options[k] for k in POLICY_ARGS + ("draft_window",) if options[k] is not None}
     settings = ServerSettings(model_name=model_name or gen.bundle.name, max_queue=max_queue, max_tokens=max_tokens,

@@ -278,3 +278,38 @@ def test_a_disconnected_stream_stops_its_generation_and_the_queue_is_bounded(ser
     for w in workers:
         w.join(60)
     assert sorted(codes) == [200, 200, 429]
+
+
+def test_the_serve_command_starts_answers_records_and_stops(tiny_qwen_bundle, tmp_path):
+    """`spectr-edge serve` as a user starts it (a subprocess on 127.0.0.1), with --record: one chat
+    request answered as the Generator answers it, one recorded line, then SIGTERM ends it."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    import openai
+
+    from spectr_edge import recording
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "spectr_edge.cli", "serve", "--bundle", str(tiny_qwen_bundle),
+                             "--port", str(port), "--provider", "cpu", "--threads", "1", "--model-name", "tiny",
+                             "--record", str(tmp_path / "rec")], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        res = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=8, temperature=0)
+        want = spectr_edge.load(tiny_qwen_bundle, provider="cpu", threads=1).chat(CONVERSATION, max_new_tokens=8)
+        assert res.choices[0].message.content == want.text
+        (rec,) = list(recording.read(tmp_path / "rec"))
+        assert rec.tokens[:len(want.token_ids)] == want.token_ids
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
