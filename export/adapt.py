@@ -3,12 +3,13 @@ decoding's distillation, run on what `--record DIR` kept (spectr_edge/recording.
 
     adapt_bundle(bundle, recording_dir, draft_source=None, minutes=15, layers=4, ...)
 
-1. The records whose vocabulary is the bundle's are split (seeded) into training and held-out parts.
+1. The records whose vocabulary is the bundle's are split (seeded) into training and held-out parts
+   by prompt: every generation of one prompt falls on the same side.
 2. The draft's float32 weights are loaded from its source (the preset's GGUF, or --draft-source) and
    its last `layers` decoder layers and final norm are trained (the embeddings and LM head stay
    frozen) to minimize the cross-entropy from the target's recorded top-k distribution (renormalized
-   over its k tokens) at every recorded position, for at most `minutes`; 15% of the training
-   records are set aside, and training keeps the weights of their best loss and stops when it has
+   over its k tokens) at every recorded position, for at most `minutes`; the generations of 15% of
+   the training prompts are set aside, and training keeps the weights of their best loss and stops when it has
    not improved for two passes.
 3. The trained draft goes through the export path again: ONNX export and parity check, the bundle
    draft's quantization (kind and block size), tree mask and logits input as the old graph had.
@@ -228,15 +229,23 @@ def adapt_bundle(bundle, recording_dir, draft_source: str | None = None, minutes
     if len(records) < 4 or tokens < 64:
         raise ExportError(f"{recording_dir} holds {len(records)} generations ({tokens} tokens) recorded with this "
                           "bundle's vocabulary; record at least 4 generations and 64 tokens (--record DIR)")
-    order = list(range(len(records)))
-    random.Random(seed).shuffle(order)
-    n_held = max(1, round(held_out * len(records)))
-    held = sequences([records[i] for i in order[:n_held]], max_context)
-    fit = sequences([records[i] for i in order[n_held:]], max_context)
-    n_val = round(0.15 * len(fit)) if len(fit) >= 8 else 0        # for early stopping; not the held-out part
-    validation, fit = fit[:n_val], fit[n_val:]
-    log(f"{len(records)} recorded generations ({tokens} tokens): {len(fit)} to train on, {n_val} to stop "
-        f"training by, {len(held)} held out to compare the drafts")
+    # split by prompt, not by generation: samples of one prompt on both sides would measure how well
+    # the draft learned those prompts, not the traffic they stand for
+    groups: dict[tuple, list] = {}
+    for r in records:
+        groups.setdefault(tuple(r.prompt), []).append(r)
+    keys = sorted(groups)
+    random.Random(seed).shuffle(keys)
+    if len(keys) < 2:
+        raise ExportError(f"{recording_dir} holds generations of one prompt only; record several prompts")
+    n_held = min(len(keys) - 1, max(1, round(held_out * len(keys))))
+    rest = keys[n_held:]
+    n_val = round(0.15 * len(rest)) if len(rest) >= 8 else 0      # prompts to stop training by
+    held = sequences([r for k in keys[:n_held] for r in groups[k]], max_context)
+    validation = sequences([r for k in rest[:n_val] for r in groups[k]], max_context)
+    fit = sequences([r for k in rest[n_val:] for r in groups[k]], max_context)
+    log(f"{len(records)} recorded generations ({tokens} tokens) of {len(keys)} prompts: {len(fit)} to train on, "
+        f"{len(validation)} to stop training by, {len(held)} held out to compare the drafts")
 
     old_entry = manifest["models"]["draft"]
     # measure, load, train, export, parity, [quantize], [tree mask], measure
