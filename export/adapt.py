@@ -122,8 +122,7 @@ def train(model, seqs: list[Sequence], layers: int, minutes: float, lr: float, m
     opt = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
     model.train()
     order, rng = list(range(len(seqs))), random.Random(seed)
-    started, steps, losses, deadline = time.perf_counter(), 0, [], minutes * 60
-    budget = max_steps if max_steps is not None else None
+    started, steps, losses, deadline, budget = time.perf_counter(), 0, [], minutes * 60, max_steps
     report_every, next_report = 15.0, 15.0
     best, best_state, stale, passes = float("inf"), None, 0, 0
 

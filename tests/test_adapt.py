@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -49,9 +50,7 @@ def files_digest(bundle: Path) -> str:
 
 
 def copy_bundle(src: Path, dst: Path) -> Path:
-    import shutil
-    shutil.copytree(src, dst)
-    return dst
+    return Path(shutil.copytree(src, dst))
 
 
 def test_adapting_raises_held_out_acceptance_and_output_stays_the_targets(weak_bundle, tmp_path):
