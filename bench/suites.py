@@ -10,7 +10,8 @@ own target-only, or another bundle's), group (methods that must fit in memory to
                  k = 2, an OPT-Tree, a Sequoia tree)
     precisions   every target precision's default against its own target-only, llama.cpp's Q4 decode
                  and ORT GenAI's int4 target
-    int4-peers   the int4 bundle's default against its target-only and llama.cpp's Q4 decode (48 prompts)
+    int4-peers   the int4 bundle's default and its draft model against its target-only and llama.cpp's Q4
+                 decode (48 prompts)
     spectr-grid  SpecTr's k x L grid, greedy and at temperature 1
     trees        the float32 default chain against OPT-Trees and side leaves (greedy); k = 1 against
                  SpecTr k = 2 and Sequoia trees (temperature 1)
@@ -170,8 +171,8 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
         for bundle, tag in ((INT8_BUNDLE, "int8 target"), (int4, "int4 target"), (W8A8_BUNDLE, "w8a8 target")):
             out += precision_rows(bundle, tag)
         return out + [LLAMACPP_Q4(), ORTGENAI_INT4()]
-    if name == "int4-peers":
-        return precision_rows(int4, "int4 target") + [LLAMACPP_Q4(), ORTGENAI_INT4()]
+    if name == "int4-peers":   # + the draft model before prompt lookup, the drafter the default does not use
+        return precision_rows(int4, "int4 target") + [q(lookup(0.0, "model+lookup")), LLAMACPP_Q4(), ORTGENAI_INT4()]
     if name == "spectr-grid":   # k in {1,2,4} x L in {2,3,4,6}, greedy and T=1, plus the defaults
         out = [spectr(0.0, 0)] + [spectr(0.0, 1, L) for L in (2, 3, 4, 6)] + [spectr_default(0.0)]
         out += [spectr(1.0, 0)] + [spectr(1.0, 1, L) for L in (2, 3, 4, 6)]

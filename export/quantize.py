@@ -264,11 +264,15 @@ def activation_maxima(src: Path, ids: np.ndarray, chunk: int = 512) -> dict:
 
 
 def quantize(src: Path, dst: Path, quant: str, block_size: int = INT4_BLOCK_SIZE,
-             symmetric: bool = INT4_SYMMETRIC, calibration: np.ndarray | None = None) -> int:
+             symmetric: bool = INT4_SYMMETRIC, calibration: np.ndarray | None = None,
+             lm_head_bits: int | None = None, accuracy_level: int = INT4_ACCURACY_LEVEL) -> int:
     """Write the quant-bit version of src to dst (same I/O); return how many lm_heads were untied.
 
     block_size, symmetric: int4 only: weights per scale (32, 64, 128 or 256); without symmetric,
     each block also stores a zero point.
+    lm_head_bits: int4 only: 8 quantizes the LM head (the untied embedding) with 8-bit
+    MatMulNBits blocks of INT8_BLOCK_SIZE instead; None or 4 keeps it int4 like every other weight.
+    accuracy_level: MatMulNBits' compute type (4: int8 activations in the kernel; 1: float32).
     calibration: w8a8 only: token ids whose activation statistics smooth the outliers
     (int8_rowwise's act_max); without them, no smoothing.
     """
@@ -277,6 +281,8 @@ def quantize(src: Path, dst: Path, quant: str, block_size: int = INT4_BLOCK_SIZE
     if quant not in ("int8", "int4", "w8a8"):
         raise ExportError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTS)}")
     check_block_size(block_size)
+    if lm_head_bits not in (None, 4, 8) or (lm_head_bits == 8 and quant != "int4"):
+        raise ExportError(f"an LM head of {lm_head_bits} bits is not supported; choose 4 or 8 (int4 targets only)")
     act_max = None
     if quant == "w8a8" and calibration is not None and len(calibration):
         act_max = activation_maxima(src, calibration)          # before the weights are in memory
@@ -293,14 +299,38 @@ def quantize(src: Path, dst: Path, quant: str, block_size: int = INT4_BLOCK_SIZE
         return untied
     MatMulNBitsQuantizer = _import_nbits()
     bits, block = (4, block_size) if quant == "int4" else (8, INT8_BLOCK_SIZE)
+    head = lm_head_node(model) if lm_head_bits == 8 else None
     q = MatMulNBitsQuantizer(model, bits=bits, block_size=block, is_symmetric=symmetric,
-                             accuracy_level=INT4_ACCURACY_LEVEL)
+                             accuracy_level=accuracy_level, nodes_to_exclude=[head] if head else None)
     with _quiet_root_logger():
         q.process()
     del model
     gc.collect()
+    if head:   # the LM head alone, in 8 bits
+        q = MatMulNBitsQuantizer(q.model.model, bits=8, block_size=INT8_BLOCK_SIZE, is_symmetric=symmetric,
+                                 accuracy_level=accuracy_level, nodes_to_include=[head])
+        with _quiet_root_logger():
+            q.process()
+        gc.collect()
     q.model.save_model_to_file(str(dst), use_external_data_format=large)
     return untied
+
+
+def lm_head_node(model) -> str | None:
+    """The name of the MatMul that computes the logits (the graph output's producer, through at most
+    a Reshape or Cast), naming it if it has no name; None when there is none."""
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    for out in graph.output:
+        if out.name != "logits":
+            continue
+        node = producer.get(out.name)
+        while node is not None and node.op_type in ("Reshape", "Cast", "Identity"):
+            node = producer.get(node.input[0])
+        if node is not None and node.op_type == "MatMul":
+            node.name = node.name or "lm_head"
+            return node.name
+    return None
 
 
 def int8_rowwise(model, act_max: dict | None = None, alpha: float = 0.5) -> int:

@@ -625,3 +625,48 @@ def test_a_graph_with_fused_attention_exports_without_a_tree_mask(tmp_path, onnx
 
     gen = spectr_edge.load(out, provider="cpu")
     assert len(gen.generate_ids([1, 2, 3], max_new_tokens=4, num_candidates=0).token_ids) == 4
+
+
+def _two_matmul_graph(path: Path, d: int = 64, vocab: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """x # [1, n, d] -> MatMul(W) -> MatMul(head) -> logits # [1, n, vocab]; returns (W, head)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 0.1, (d, d)).astype(np.float32)
+    head = rng.normal(0, 0.1, (d, vocab)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"], name="body"),
+         helper.make_node("MatMul", ["h", "head"], ["logits"], name="")],
+        "two", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n", d])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "n", vocab])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(head, "head")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return w, head
+
+
+def test_int4_with_an_8bit_lm_head(tmp_path):
+    """lm_head_bits=8 quantizes the MatMul producing `logits` in 8 bits and every other weight in 4;
+    the graph runs in ONNX Runtime, closer to float32 than the all-int4 graph on the head's output.
+    Other head widths, or an 8-bit head on a non-int4 target, are refused before any work."""
+    import onnx
+    import onnxruntime as ort
+    from spectr_edge_export import quantize
+
+    src = tmp_path / "f32.onnx"
+    w, head = _two_matmul_graph(src)
+    x = np.random.default_rng(4).normal(0, 1, (1, 3, 64)).astype(np.float32)
+    want = x @ w @ head
+    errors = {}
+    for bits in (None, 8):
+        dst = tmp_path / f"q{bits}" / "model.onnx"
+        quantize.quantize(src, dst, "int4", lm_head_bits=bits)
+        nodes = {n.input[0]: n for n in onnx.load(str(dst)).graph.node if n.op_type == "MatMulNBits"}
+        got_bits = {i: next(a.i for a in n.attribute if a.name == "bits") for i, n in nodes.items()}
+        assert got_bits == {"x": 4, "h": bits or 4}
+        got = ort.InferenceSession(str(dst), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        errors[bits] = float(np.abs(got - want).max())
+    assert errors[8] < errors[None], errors
+    for bad, quant in ((6, "int4"), (8, "int8")):
+        with pytest.raises(ExportError, match=f"an LM head of {bad} bits is not supported; choose 4 or 8"):
+            quantize.quantize(tmp_path / "missing.onnx", tmp_path / "x.onnx", quant, lm_head_bits=bad)
