@@ -53,6 +53,7 @@ VARIANTS = {
     "block 32 symmetric": {"from": "float32", "block_size": 32, "symmetric": True},
     "1 thread": {"from": "int4", "threads": 1},
     "spinning off": {"from": "int4", "spinning": False},
+    "rotary folded": {"from": "int4", "fold_rotary": True},
 }
 
 
@@ -66,11 +67,27 @@ def set_accuracy(src: Path, dst: Path, level: int) -> None:
             for a in node.attribute:
                 if a.name == "accuracy_level":
                     a.i = level
+    _link_weights(src, dst)
+    onnx.save(model, str(dst))
+
+
+def fold_rotary(spec, dst: Path) -> None:
+    """INT4's graph with the rotary embedding folded into its attention (export/fuse_rotary.py)."""
+    import onnx
+
+    from spectr_edge_export.fuse_rotary import fold_rotary as fold
+
+    model = onnx.load(str(spec.file), load_external_data=False)
+    fold(model, spec.position_ids, spec.context_length, spec.file.parent)
+    _link_weights(spec.file, dst)
+    onnx.save(model, str(dst))
+
+
+def _link_weights(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     for extra in src.parent.iterdir():          # the external data file(s), by the names the graph uses
         if extra != src and extra.name.startswith(src.name):
             os.link(extra, dst.parent / extra.name)
-    onnx.save(model, str(dst))
 
 
 def make_variants(float32_spec, int4_spec, names: list[str], graphs: Path) -> dict[str, Path]:
@@ -79,12 +96,14 @@ def make_variants(float32_spec, int4_spec, names: list[str], graphs: Path) -> di
     files = {}
     for name in names:
         v = VARIANTS[name]
-        if v["from"] == "int4" and "accuracy_level" not in v:
+        if v["from"] == "int4" and "accuracy_level" not in v and "fold_rotary" not in v:
             files[name] = int4_spec.file
             continue
         out = graphs / name.replace(" ", "-").replace("(", "").replace(")", "") / "model.onnx"
         started = time.perf_counter()
-        if v["from"] == "int4":
+        if v.get("fold_rotary"):
+            fold_rotary(int4_spec, out)
+        elif v["from"] == "int4":
             set_accuracy(int4_spec.file, out, v["accuracy_level"])
         else:
             print(f"quantizing {name} from {float32_spec.file} ...", flush=True)

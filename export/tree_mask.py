@@ -17,6 +17,7 @@ closest to the Softmaxes (no other candidate below it) is the shared mask. Anyth
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from spectr_edge.bundle import write_manifest
 from spectr_edge.errors import ExportError
 
 from .fuse_attention import FUSED, fuse_attention
+from .fuse_rotary import FOLDED, fold_rotary
 from .quantize import min_call_tokens, quantizes_activations
 
 TREE_MASK_INPUT = "tree_attention_mask"
@@ -228,21 +230,39 @@ def _per_call_quantized(path: Path) -> bool:
     return quantizes_activations(onnx.load(str(path), load_external_data=False).graph)
 
 
-def tree_entry(entry: dict, still_has_mask: bool, fused: bool = False) -> dict:
+def tree_entry(entry: dict, still_has_mask: bool, fused: bool = False, folded: bool = False) -> dict:
     new = {**entry, "inputs": dict(entry["inputs"]), "tree_mask": TREE_MASK_INPUT}
     if not still_has_mask:
         new["inputs"]["attention_mask"] = None
     if fused:
         new["attention"] = FUSED
+    if folded:
+        new["rotary"] = FOLDED
     return new
 
 
-def rewrite_graph(src: Path, dst: Path, entry: dict | None = None, fuse: bool = False) -> tuple[bool, bool]:
+def try_fold_rotary(model, entry: dict, base_dir: Path, log=print) -> bool:
+    """fold_rotary in place where the pattern is found; False (and the graph unchanged) where not."""
+    import copy
+
+    trial = copy.deepcopy(model)
+    try:
+        fold_rotary(trial, entry["inputs"]["position_ids"], int(entry["context_length"]), base_dir)
+    except ExportError as err:
+        log(f"      rotary embedding left outside the attention kernel: {err}")
+        return False
+    model.CopyFrom(trial)
+    return True
+
+
+def rewrite_graph(src: Path, dst: Path, entry: dict | None = None, fuse: bool = False,
+                  log=print, fold: bool = True) -> tuple[bool, bool, bool]:
     """Write the tree-mask version of src (same external data, same directory) to dst, atomically.
 
     A graph that already takes a tree mask keeps it. With fuse (and the manifest entry, for the
-    cache names), the attention is also fused (export/fuse_attention.py). Returns (whether
-    attention_mask is still an input, whether the attention is fused).
+    cache names), the attention is also fused (export/fuse_attention.py) and, with fold and where
+    the pattern is found, the rotary embedding folded into it (export/fuse_rotary.py). Returns (whether
+    attention_mask is still an input, whether the attention is fused, whether the rotary is folded).
     """
     import onnx
 
@@ -253,31 +273,68 @@ def rewrite_graph(src: Path, dst: Path, entry: dict | None = None, fuse: bool = 
         still = any(i.name == "attention_mask" for i in model.graph.input)
     else:
         model, still = add_tree_mask(model)
+    folded = False
     if fuse:
         fuse_attention(model, entry["inputs"]["past"], entry["outputs"]["present"], int(entry["head_dim"]),
                        int(entry["num_kv_heads"]), TREE_MASK_INPUT)
+        folded = fold and try_fold_rotary(model, entry, src.parent, log)
     save_graph_beside(model, src, dst, "tree-mask")
-    return still, fuse
+    return still, fuse, folded
 
 
 def rewrite_checked(src: Path, dst: Path, entry: dict, ids: np.ndarray, fuse: bool = True,
-                    log=print) -> tuple[dict, str]:
+                    log=print, fold: bool = True) -> tuple[dict, str]:
     """rewrite_graph + check_tree_graph; when fusing fails (pattern or check), falls back to the
     unfused tree graph and says why. Returns (the new manifest entry, what was checked)."""
     if fuse:
         try:
-            still, fused = rewrite_graph(src, dst, entry, fuse=True)
-            new = tree_entry(entry, still, fused)
-            return new, check_tree_graph(src, dst, entry, new, ids) + "; attention fused (GroupQueryAttention)"
+            still, fused, folded = rewrite_graph(src, dst, entry, fuse=True, log=log, fold=fold)
+            new = tree_entry(entry, still, fused, folded)
+            return new, check_tree_graph(src, dst, entry, new, ids) + "; attention fused (GroupQueryAttention" + (
+                ", rotary embedding inside)" if folded else ")")
         except ExportError as err:
             log(f"      attention left unfused: {err}")
-    still, _ = rewrite_graph(src, dst)
+    still, _, _ = rewrite_graph(src, dst)
     new = tree_entry(entry, still)
     return new, check_tree_graph(src, dst, entry, new, ids)
 
 
-def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True) -> list[str]:
-    """Upgrade an existing bundle in place: every graph gets a tree mask and (fuse) fused attention.
+def _fold_in_bundle(bundle: Path, role: str, entry: dict, log=print) -> Path | None:
+    """Fold the rotary embedding of a bundle's fused graph into its attention (export/fuse_rotary.py):
+    the new graph is written beside the old one and checked against it, then entry (in place) points
+    at it; returns the old graph file, for the caller to remove once the manifest says so. None where
+    the pattern is not found (nothing changes)."""
+    import onnx
+
+    from .writer import save_graph_beside
+
+    src = bundle / entry["file"]
+    model = onnx.load(str(src), load_external_data=False)
+    if not try_fold_rotary(model, entry, src.parent, log):
+        return None
+    dst = src.with_name(src.name.split(".")[0] + ".rotary.onnx")
+    log(f"{role}: folding the rotary embedding into the attention kernel ({entry['file']}) ...")
+    save_graph_beside(model, src, dst, "rotary")
+    from .onnx_export import model_files
+
+    new = {**entry, "rotary": FOLDED, "file": dst.relative_to(bundle).as_posix(),
+           "size_bytes": sum(f.stat().st_size for f in model_files(dst))}
+    vocab = int(json.loads((bundle / "spectr.json").read_text())["tokenizer"]["vocab_size"])
+    try:
+        checked = check_tree_graph(src, dst, entry, new, (np.arange(11) * 7919 + 13) % vocab)
+    except ExportError:
+        dst.unlink(missing_ok=True)
+        raise
+    log(f"{role}: " + checked)
+    entry.clear()
+    entry.update(new)
+    return src
+
+
+def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True, fold: bool = True) -> list[str]:
+    """Upgrade an existing bundle in place: every graph gets a tree mask and (fuse) fused attention,
+    (fold) with the rotary embedding inside the attention kernel, also for graphs fused before that
+    existed (model.rotary.onnx).
 
     Each model's new graph is written beside the old one (model.gqa.onnx, or model.tree.onnx
     when not fused; the weights in external data are shared), checked, then the manifest is
@@ -298,6 +355,13 @@ def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True) -> list[
             entry["min_call_tokens"] = min_call_tokens(bundle / entry["file"])      # bundles made before it
             log(f"{role}: every call scores >= {entry['min_call_tokens']} tokens (int4 kernel numerics)")
             write_manifest(manifest_path.parent, manifest)
+        if entry.get("tree_mask") and entry.get("attention") == FUSED and fold and entry.get("rotary") != FOLDED:
+            old = _fold_in_bundle(bundle, role, entry, log)
+            if old is not None:
+                write_manifest(manifest_path.parent, manifest)
+                old.unlink()
+                changed.append(role)
+            continue
         if entry.get("tree_mask") and (entry.get("attention") == FUSED or not fuse):
             log(f"{role}: already takes a tree mask" + (" with fused attention" if fuse else ""))
             continue
@@ -312,7 +376,7 @@ def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True) -> list[
             + (" and fused attention" if fuse else "") + " ...")
         vocab = int(manifest["tokenizer"]["vocab_size"])
         ids = (np.arange(11) * 7919 + 13) % vocab
-        new_entry, checked = rewrite_checked(src, dst, entry, ids, fuse=fuse, log=log)
+        new_entry, checked = rewrite_checked(src, dst, entry, ids, fuse=fuse, log=log, fold=fold)
         if new_entry.get("attention") != FUSED and entry.get("tree_mask"):
             dst.unlink(missing_ok=True)      # fusing failed and the graph already had its tree mask
             continue

@@ -55,6 +55,8 @@ class ModelSpec:
     source: str
     size_bytes: int | None
     attention: str = "unfused"            # "gqa": fused GroupQueryAttention, cache buffers updated in place
+    rotary: str = "unfused"               # "gqa": the attention kernel rotates query and key itself (from position_ids,
+                                          # except on a call with an empty cache: positions 0 .. n - 1 there)
     min_call_tokens: int = 1              # 2: the kernels round a 1-token call differently (int4 MatMulNBits
                                           # with int8 activations), so every call scores >= 2 tokens
     call_multiple: int = 1                # 2: they also round a lone last row of an odd-sized call so
@@ -209,6 +211,7 @@ def _model_spec(bundle: Path, role: str, f: _Fields) -> ModelSpec:
         tree_mask=tree_mask, source=str(f.obj.get("source", "")),
         size_bytes=f.get("size_bytes", int, required=False, minimum=0),
         attention=_attention(f.obj.get("attention"), tree_mask, where),
+        rotary=_rotary(f.obj.get("rotary"), f.obj.get("attention"), where),
         min_call_tokens=f.get("min_call_tokens", int, required=False, default=1, minimum=1),
         call_multiple=f.get("call_token_multiple", int, required=False, default=1, minimum=1),
         logits_keep=inputs.name("logits_keep", required=False),
@@ -247,6 +250,15 @@ def _attention(value, tree_mask, where: str) -> str:
     if value != "gqa" or not tree_mask:
         raise BundleError(f"spectr.json {where}.attention is {value!r}; expected 'unfused', or 'gqa' on a graph "
                           "with a tree mask (re-export the bundle)")
+    return value
+
+
+def _rotary(value, attention, where: str) -> str:
+    if value in (None, "unfused"):
+        return "unfused"
+    if value != "gqa" or attention != "gqa":
+        raise BundleError(f"spectr.json {where}.rotary is {value!r}; expected 'unfused', or 'gqa' on a graph with "
+                          "fused attention (re-export the bundle)")
     return value
 
 

@@ -116,10 +116,13 @@ class BufferKVCache:
     GROW = 256
 
     def __init__(self, device, num_layers: int, num_kv_heads: int, head_dim: int, dtype=np.float32,
-                 capacity: int = 512):
+                 capacity: int = 512, max_capacity: int | None = None):
         self.device, self.dtype = device, np.dtype(dtype)
         self._geometry = (num_layers, num_kv_heads, head_dim)
-        self._values = self._allocate(1, capacity)
+        # the model's context: buffers never grow past it for calls within it (a kernel with its rotary
+        # tables inside reads positions up to the buffer's length, export/fuse_rotary.py)
+        self.max_capacity = max_capacity
+        self._values = self._allocate(1, capacity if max_capacity is None else min(capacity, max_capacity))
         self._binding = None          # (session, I/O binding) with these buffers bound; kept between calls
         self.length = 0
         self.offset = 0
@@ -149,6 +152,8 @@ class BufferKVCache:
         if total <= self.capacity:
             return
         capacity = -(-max(total, 2 * self.capacity) // self.GROW) * self.GROW
+        if self.max_capacity is not None and total <= self.max_capacity:
+            capacity = min(capacity, self.max_capacity)
         # positions past the old capacity repeat its last one: never read before a call writes them
         index = np.minimum(np.arange(capacity, dtype=np.int64), self.capacity - 1)
         self.values = self.device.take(self.values, index, axis=2)

@@ -220,8 +220,10 @@ class OnnxLM:
         return self.spec.attention == "gqa"
 
     def new_cache(self) -> KVCache | BufferKVCache:
-        cls = BufferKVCache if self.in_place else KVCache
-        return cls(self.device, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+        geometry = (self.device, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+        if self.in_place:
+            return BufferKVCache(*geometry, max_capacity=self.spec.context_length)
+        return KVCache(*geometry)
 
     @property
     def takes_tree(self) -> bool:
@@ -280,6 +282,9 @@ class OnnxLM:
             feeds[spec.attention_mask] = np.ones((batch, past + new), dtype=np.int64)  # [batch, past + new]
         if spec.position_ids:
             offsets = np.arange(new) if depth is None else np.asarray(depth)
+            if spec.rotary == "gqa" and past == 0 and not np.array_equal(offsets, np.arange(new)):
+                raise ValueError("this graph's attention kernel places a call with an empty cache at positions "
+                                 "0 .. n - 1; score a tree after a past")
             positions = (past + offsets).astype(np.int64)
             feeds[spec.position_ids] = np.broadcast_to(positions, (batch, new)).copy()  # [batch, new]
         return self._run(feeds, cache, new)

@@ -71,7 +71,8 @@ def sample_conversations(model: OnnxLM, codec: TextCodec, vocab_size: int, eos_i
     next_opener, produced, started = 0, 0, time.perf_counter()
     while produced < num_tokens:
         rows = min(batch, max(1, (num_tokens - produced) // 64))
-        steps = min(ROUND_STEPS, -(-(num_tokens - produced) // rows))
+        # a round stays within the model's context (its rotary tables end there, export/fuse_rotary.py)
+        steps = min(ROUND_STEPS, model.spec.context_length - len(before) - 1, -(-(num_tokens - produced) // rows))
         cache = model.new_cache()
         model.forward(np.asarray([before], dtype=np.int64), cache, last=1)
         cache.repeat_rows(rows)

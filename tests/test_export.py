@@ -129,9 +129,11 @@ def test_manifest_matches_format_and_graph(name, request):
     from spectr_edge.ngram_table import NgramTable
     assert NgramTable.load(bundle / table["file"]).vocab == tok["vocab_size"]
     for role, e in m["models"].items():
-        assert set(e) - {"attention"} == MODEL_KEYS, role
-        # tiny-qwen's graphs take the tree mask and their attention is fused (export/fuse_attention.py)
+        assert set(e) - {"attention", "rotary"} == MODEL_KEYS, role
+        # tiny-qwen's graphs take the tree mask and their attention is fused (export/fuse_attention.py),
+        # rotary embedding included (export/fuse_rotary.py)
         assert e.get("attention") == ("gqa" if e["tree_mask"] else None), role
+        assert e.get("rotary") == ("gqa" if e["tree_mask"] else None), role
         assert (bundle / e["tokenizer_file"]).exists() and e["vocab_sha256"] == tok["vocab_sha256"]
         sess = session(bundle, role)
         ins = [i.name for i in sess.get_inputs()]

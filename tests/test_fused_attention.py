@@ -49,6 +49,15 @@ def test_tiny_bundle_graphs_are_fused(tiny_qwen_bundle, target, draft):
         past = {n for kv in entry["inputs"]["past"] for n in kv}
         readers = {n.op_type for n in graph.node if past & set(n.input)}
         assert readers == {"GroupQueryAttention"}                 # nothing else touches the cache
+        # the rotary embedding is inside the kernel (export/fuse_rotary.py): only it reads the positions
+        assert entry["rotary"] == "gqa" and model.spec.rotary == "gqa"
+        positions = entry["inputs"]["position_ids"]
+        assert {n.op_type for n in graph.node if positions in n.input} == {"GroupQueryAttention"}
+
+
+def test_a_call_with_an_empty_cache_is_placed_from_position_zero(target):
+    with pytest.raises(ValueError, match="empty cache"):
+        target.forward(np.asarray([[1, 2, 3]]), target.new_cache(), np.tri(3, dtype=bool), np.array([0, 1, 1]))
 
 
 def _step(model, caches, ids, tree=None, depth=None):
@@ -110,6 +119,39 @@ def test_in_place_rows_for_draft_candidates(draft, device):
     with pytest.raises(ValueError, match="batch 1 only"):
         caches[1].repeat_rows(2)
         draft.forward(np.asarray([[1, 2], [3, 4]], dtype=np.int64), caches[1])
+
+
+def test_folding_the_rotary_into_a_bundle_fused_without_it(tiny_bundle, tmp_path):
+    """A bundle whose attention was fused before the rotary embedding could be folded into it is
+    upgraded in place (model.rotary.onnx) and decodes and scores a tree like the unfused original."""
+    import spectr_edge
+    from spectr_edge_export.fuse_rotary import fold_rotary
+    from spectr_edge_export.tree_mask import add_tree_mask_to_bundle
+    from spectr_edge.errors import ExportError
+
+    import onnx
+    import shutil
+
+    out = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, out)
+    add_tree_mask_to_bundle(out, log=lambda _: None, fold=False)
+    entry = json.loads((out / "spectr.json").read_text())["models"]["target"]
+    assert entry["attention"] == "gqa" and "rotary" not in entry
+    lines = []
+    assert add_tree_mask_to_bundle(out, log=lines.append) == ["target", "draft"]
+    assert any("folding the rotary embedding" in line for line in lines), lines
+    manifest = json.loads((out / "spectr.json").read_text())
+    for role, entry in manifest["models"].items():
+        assert entry["rotary"] == "gqa" and entry["file"] == f"{role}/model.rotary.onnx"
+        assert not (out / role / "model.gqa.onnx").exists()
+        model = onnx.load(str(out / entry["file"]), load_external_data=False)
+        with pytest.raises(ExportError, match="already folded"):
+            fold_rotary(model, entry["inputs"]["position_ids"], entry["context_length"])
+    assert add_tree_mask_to_bundle(out, log=lambda _: None) == []
+    before, after = spectr_edge.load(tiny_bundle, provider="cpu"), spectr_edge.load(out, provider="cpu")
+    prompt = [5, 6, 7, 8, 9]
+    plain = before.generate_ids(prompt, max_new_tokens=24, temperature=0, num_candidates=0).token_ids
+    assert after.generate_ids(prompt, max_new_tokens=24, temperature=0, branches=2, draft_len=3).token_ids == plain
 
 
 def test_fusing_twice_is_refused(tiny_qwen_bundle):

@@ -109,6 +109,7 @@ def test_upgrade_rewrites_graphs_and_manifest(upgraded):
         assert entry["inputs"]["attention_mask"] is None
         assert entry["file"] == f"{role}/model.gqa.onnx"
         assert entry["attention"] == "gqa"                      # fused GroupQueryAttention
+        assert entry["rotary"] == "gqa"                         # rotating query and key itself
         assert entry["inputs"]["logits_keep"] == "logits_keep"  # a prefill computes one row of logits
         assert not (upgraded / role / "model.onnx").exists()    # the old graph is gone
 
