@@ -53,7 +53,8 @@ VARIANTS = {
     "block 32 symmetric": {"from": "float32", "block_size": 32, "symmetric": True},
     "1 thread": {"from": "int4", "threads": 1},
     "spinning off": {"from": "int4", "spinning": False},
-    "rotary folded": {"from": "int4", "fold_rotary": True},
+    "rotary folded": {"from": "int4", "fold_rotary": True},      # export/fuse_rotary.py, on a bundle without it
+    "QKV one matmul": {"from": "int4", "merge_qkv": True},        # on a bundle with the rotary folded
 }
 
 
@@ -77,16 +78,82 @@ def fold_rotary(spec, dst: Path) -> None:
 
     from spectr_edge_export.fuse_rotary import fold_rotary as fold
 
+    if spec.rotary != "unfused":
+        raise SystemExit(f"error: {spec.file} already has its rotary embedding inside the attention kernel; "
+                         "the 'rotary folded' variant compares a bundle fused without it")
     model = onnx.load(str(spec.file), load_external_data=False)
     fold(model, spec.position_ids, spec.context_length, spec.file.parent)
     _link_weights(spec.file, dst)
     onnx.save(model, str(dst))
 
 
+def merge_qkv(spec, dst: Path) -> None:
+    """INT4's graph (rotary folded) with each layer's query, key and value projections in one
+    MatMulNBits (weights, scales and zero points stacked by output column, the biases its bias input)
+    in place of three MatMulNBits, three bias Adds and the Concat that packs them."""
+    import copy
+
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from spectr_edge_export.fuse_rotary import _inline
+
+    if spec.rotary == "unfused":
+        raise SystemExit(f"error: {spec.file} packs no Q, K, V (run spectr-edge export --add-tree-mask first)")
+    model = onnx.load(str(spec.file), load_external_data=False)
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    inits = {t.name: t for t in graph.initializer}
+
+    def array(name):
+        t = copy.deepcopy(inits[name])
+        _inline(t, spec.file.parent)
+        return numpy_helper.to_array(t)
+
+    merged = 0
+    for gqa in [n for n in graph.node if n.op_type == "GroupQueryAttention"]:
+        concat = producer[gqa.input[0]]
+        parts = []
+        for name in concat.input:
+            add = producer[name]
+            bias = next(i for i in add.input if i in inits)
+            parts.append((producer[next(i for i in add.input if i != bias)], bias, add))
+        if any(mm.op_type != "MatMulNBits" or mm.input[0] != parts[0][0].input[0] for mm, _, _ in parts):
+            continue
+        attrs = [{a.name: helper.get_attribute_value(a) for a in mm.attribute} for mm, _, _ in parts]
+        if any({k: v for k, v in a.items() if k != "N"} != {k: v for k, v in attrs[0].items() if k != "N"}
+               for a in attrs):
+            continue
+        name = concat.output[0] + "_merged"
+        stacked = []
+        for j in (1, 2, 3):
+            stacked.append(numpy_helper.from_array(np.concatenate([array(mm.input[j]) for mm, _, _ in parts]),
+                                                   f"{name}_{j}"))
+        stacked.append(numpy_helper.from_array(np.concatenate([array(b) for _, b, _ in parts]), f"{name}_bias"))
+        graph.initializer.extend(stacked)
+        a0 = dict(attrs[0], N=sum(a["N"] for a in attrs))
+        node = helper.make_node("MatMulNBits", [parts[0][0].input[0]] + [t.name for t in stacked[:3]] + ["", stacked[3].name],
+                                [concat.output[0]], name=name, domain="com.microsoft", **a0)
+        for old in [concat] + [x for mm, _, add in parts for x in (mm, add)]:
+            graph.node.remove(old)
+        graph.node.append(node)
+        merged += 1
+    from spectr_edge_export.fuse_attention import _topological
+    from spectr_edge_export.tree_mask import _prune
+    _prune(graph)
+    used = {i for n in graph.node for i in n.input}
+    for t in [t for t in graph.initializer if t.name not in used]:
+        graph.initializer.remove(t)
+    _topological(graph)
+    print(f"  {merged} layers' Q, K, V projections merged", flush=True)
+    _link_weights(spec.file, dst)
+    onnx.save(model, str(dst))
+
+
 def _link_weights(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    for extra in src.parent.iterdir():          # the external data file(s), by the names the graph uses
-        if extra != src and extra.name.startswith(src.name):
+    for extra in src.parent.iterdir():          # the external data file(s): every file beside but graphs
+        if extra.suffix not in (".onnx", ".json") and not (dst.parent / extra.name).exists():
             os.link(extra, dst.parent / extra.name)
 
 
@@ -96,13 +163,15 @@ def make_variants(float32_spec, int4_spec, names: list[str], graphs: Path) -> di
     files = {}
     for name in names:
         v = VARIANTS[name]
-        if v["from"] == "int4" and "accuracy_level" not in v and "fold_rotary" not in v:
+        if v["from"] == "int4" and not {"accuracy_level", "fold_rotary", "merge_qkv"} & set(v):
             files[name] = int4_spec.file
             continue
         out = graphs / name.replace(" ", "-").replace("(", "").replace(")", "") / "model.onnx"
         started = time.perf_counter()
         if v.get("fold_rotary"):
             fold_rotary(int4_spec, out)
+        elif v.get("merge_qkv"):
+            merge_qkv(int4_spec, out)
         elif v["from"] == "int4":
             set_accuracy(int4_spec.file, out, v["accuracy_level"])
         else:

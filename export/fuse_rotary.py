@@ -4,9 +4,9 @@ Why: after export/fuse_attention.py, every layer still rotates its query and key
 unfused rotate-half subgraph of the export (Reshape, Transpose, two Slices, Neg, Concat, two
 Muls, an Add and the Shape/Gather/Div/Unsqueeze nodes that compute the slice bounds, once for
 the query and once for the key), then transposes and reshapes query, key and value back to
-[batch, seq, heads x head_dim]. That is about 40 small operators per layer, 1,100 of the 1.5B
-target's 1,440 operators once ONNX Runtime has optimised the graph, each a few microseconds on
-a decode step. GroupQueryAttention rotates query and key itself (`do_rotary`) from cos/sin
+[batch, seq, heads x head_dim]. That is about 36 small operators per layer, each a few
+microseconds on a decode step: folded, the int4 1.5B target runs 443 operators instead of 1,441
+once ONNX Runtime has optimised the graph, and its decode step is 1.09x faster on an AVX2 CPU. GroupQueryAttention rotates query and key itself (`do_rotary`) from cos/sin
 tables and explicit `position_ids`, and reads Q, K and V packed in one tensor, so a layer's
 attention becomes: Concat(q, k, v projections) -> GroupQueryAttention.
 

@@ -413,8 +413,8 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
 @click.option("--no-tree-mask", is_flag=True, help="Keep the 2D attention mask (no tree verification).")
 @click.option("--add-tree-mask", is_flag=True,
               help="Upgrade the existing bundle at --out in place: its graphs take a tree mask and use fused "
-                   "attention with in-place cache buffers where the graph allows, and return only the logits "
-                   "a call needs (weights untouched).")
+                   "attention with in-place cache buffers and the rotary embedding inside where the graph allows, "
+                   "and return only the logits a call needs (weights untouched).")
 @click.option("--add-lookup-table", is_flag=True,
               help="(Re)build prompt lookup's static next-token table of the existing bundle at --out "
                    "(new exports have it).")
@@ -466,8 +466,8 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
             raise click.UsageError("--add-tree-mask upgrades the bundle at --out; give no --target or --preset")
         from spectr_edge_export.tree_mask import add_tree_mask_to_bundle
         changed = add_tree_mask_to_bundle(out, log=click.echo)
-        click.echo(f"{out}: {', '.join(changed) or 'nothing'} upgraded (tree verification, fused attention, "
-                   "logits of the needed positions only)")
+        click.echo(f"{out}: {', '.join(changed) or 'nothing'} upgraded (tree verification, fused attention "
+                   "with the rotary embedding inside, logits of the needed positions only)")
         return
     if not (preset or target):
         raise click.UsageError("give --target SRC (and --draft SRC) or --preset NAME")
