@@ -282,7 +282,7 @@ def main(argv=None) -> None:
         lp = scores(lm, chunks, width)
         agree = np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(ref_lp, lp)]))
         kl = np.mean(np.concatenate([(np.exp(a) * (a - b)).sum(-1) for a, b in zip(ref_lp, lp)]))
-        weights = sum(f.stat().st_size for f in path.parent.iterdir() if f.name.startswith(path.name))
+        weights = sum(f.stat().st_size for f in path.parent.iterdir() if f.suffix not in (".json", ".txt"))
         accuracy[name] = {"top1_agreement": float(agree), "kl": float(kl), "file_bytes": weights,
                           "min_call_tokens": spec.min_call_tokens, "call_multiple": spec.call_multiple}
         lms[name] = lm
