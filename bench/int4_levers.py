@@ -132,8 +132,8 @@ def merge_qkv(spec, dst: Path) -> None:
         stacked.append(numpy_helper.from_array(np.concatenate([array(b) for _, b, _ in parts]), f"{name}_bias"))
         graph.initializer.extend(stacked)
         a0 = dict(attrs[0], N=sum(a["N"] for a in attrs))
-        node = helper.make_node("MatMulNBits", [parts[0][0].input[0]] + [t.name for t in stacked[:3]] + ["", stacked[3].name],
-                                [concat.output[0]], name=name, domain="com.microsoft", **a0)
+        inputs = [parts[0][0].input[0]] + [t.name for t in stacked[:3]] + ["", stacked[3].name]   # no g_idx
+        node = helper.make_node("MatMulNBits", inputs, [concat.output[0]], name=name, domain="com.microsoft", **a0)
         for old in [concat] + [x for mm, _, add in parts for x in (mm, add)]:
             graph.node.remove(old)
         graph.node.append(node)

@@ -5,10 +5,11 @@ unfused rotate-half subgraph of the export (Reshape, Transpose, two Slices, Neg,
 Muls, an Add and the Shape/Gather/Div/Unsqueeze nodes that compute the slice bounds, once for
 the query and once for the key), then transposes and reshapes query, key and value back to
 [batch, seq, heads x head_dim]. That is about 36 small operators per layer, each a few
-microseconds on a decode step: folded, the int4 1.5B target runs 443 operators instead of 1,441
-once ONNX Runtime has optimised the graph, and its decode step is 1.09x faster on an AVX2 CPU. GroupQueryAttention rotates query and key itself (`do_rotary`) from cos/sin
-tables and explicit `position_ids`, and reads Q, K and V packed in one tensor, so a layer's
-attention becomes: Concat(q, k, v projections) -> GroupQueryAttention.
+microseconds on a decode step. GroupQueryAttention rotates query and key itself (`do_rotary`)
+from cos/sin tables and explicit `position_ids`, and reads Q, K and V packed in one tensor, so a
+layer's attention becomes: Concat(q, k, v projections) -> GroupQueryAttention. Folded, the int4
+1.5B target runs 443 operators instead of 1,441 once ONNX Runtime has optimised the graph, and
+its decode step is 1.09x faster on an AVX2 CPU.
 
 How the pattern is found, per GroupQueryAttention node: its query and key inputs must come
 through Reshape <- Transpose <- Add(Mul(x, cos), Mul(rotate_half(x), sin)) with x =
@@ -27,8 +28,6 @@ position 0 (a prompt prefill), and onnx_model.py refuses any other.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 
 from spectr_edge.errors import ExportError
@@ -36,15 +35,6 @@ from spectr_edge.errors import ExportError
 FOLDED = "gqa"
 _COS, _SIN = "spectr_rotary_cos", "spectr_rotary_sin"
 _PERM = [0, 2, 1, 3]
-
-
-def _maps(graph):
-    producer = {o: n for n in graph.node for o in n.output}
-    consumers = defaultdict(list)
-    for n in graph.node:
-        for i in n.input:
-            consumers[i].append(n)
-    return producer, consumers
 
 
 def _perm(node) -> list[int]:
@@ -121,17 +111,16 @@ def _ancestors(graph, producer: dict, tensors: list[str]) -> list:
 
 def _inline(tensor, base_dir) -> None:
     """Read a (small) tensor's external data into the proto, in place."""
-    from pathlib import Path
+    from onnx import TensorProto
 
-    if tensor.data_location != 1:           # onnx.TensorProto.EXTERNAL
+    from .writer import external_bytes
+
+    if tensor.data_location != TensorProto.EXTERNAL:
         return
     if base_dir is None:
         raise ExportError("the rotary tables read external data and the graph's directory is unknown")
-    info = {e.key: e.value for e in tensor.external_data}
-    with open(Path(base_dir) / info["location"], "rb") as f:
-        f.seek(int(info.get("offset", 0)))
-        tensor.raw_data = f.read(int(info["length"]))
-    tensor.data_location = 0
+    tensor.raw_data = external_bytes(tensor, base_dir)
+    tensor.data_location = TensorProto.DEFAULT
     del tensor.external_data[:]
 
 
@@ -199,7 +188,7 @@ def fold_rotary(model, position_ids: str, context_length: int, base_dir=None) ->
         raise ExportError("the graph's attention is not fused; fold the rotary embedding after fuse_attention")
     if any(a.name == "do_rotary" and a.i for n in gqas for a in n.attribute):
         raise ExportError("the graph's rotary embedding is already folded into its attention")
-    producer, _ = _maps(graph)
+    producer = {o: node for node in graph.node for o in node.output}
     layers = []
     for n in gqas:
         what = f"attention node {n.name or n.output[0]}"

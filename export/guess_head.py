@@ -77,11 +77,8 @@ def _embedding(model, input_ids: str, path: Path) -> np.ndarray:
         raise ExportError("the target's token embedding is not an initializer; cannot train a guess head")
     if not tensor.external_data:
         return numpy_helper.to_array(tensor).astype(np.float32)
-    info = {e.key: e.value for e in tensor.external_data}
-    location = (path.parent / info["location"]).resolve()
-    with open(location, "rb") as f:
-        f.seek(int(info.get("offset", 0)))
-        raw = f.read(int(info["length"]))
+    from .writer import external_bytes
+    raw = external_bytes(tensor, path.parent)
     if tensor.data_type != 1:
         raise ExportError("the target's token embedding is not float32; cannot train a guess head")
     return np.frombuffer(raw, np.float32).reshape(list(tensor.dims))

@@ -17,7 +17,6 @@ closest to the Softmaxes (no other candidate below it) is the shared mask. Anyth
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -299,7 +298,7 @@ def rewrite_checked(src: Path, dst: Path, entry: dict, ids: np.ndarray, fuse: bo
     return new, check_tree_graph(src, dst, entry, new, ids)
 
 
-def _fold_in_bundle(bundle: Path, role: str, entry: dict, log=print) -> Path | None:
+def _fold_in_bundle(bundle: Path, role: str, entry: dict, ids: np.ndarray, log=print) -> Path | None:
     """Fold the rotary embedding of a bundle's fused graph into its attention (export/fuse_rotary.py):
     the new graph is written beside the old one and checked against it, then entry (in place) points
     at it; returns the old graph file, for the caller to remove once the manifest says so. None where
@@ -319,9 +318,8 @@ def _fold_in_bundle(bundle: Path, role: str, entry: dict, log=print) -> Path | N
 
     new = {**entry, "rotary": FOLDED, "file": dst.relative_to(bundle).as_posix(),
            "size_bytes": sum(f.stat().st_size for f in model_files(dst))}
-    vocab = int(json.loads((bundle / "spectr.json").read_text())["tokenizer"]["vocab_size"])
     try:
-        checked = check_tree_graph(src, dst, entry, new, (np.arange(11) * 7919 + 13) % vocab)
+        checked = check_tree_graph(src, dst, entry, new, ids)
     except ExportError:
         dst.unlink(missing_ok=True)
         raise
@@ -350,13 +348,14 @@ def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True, fold: bo
     manifest_path = bundle / "spectr.json"
     manifest = existing_manifest(bundle)
     changed = []
+    ids = (np.arange(11) * 7919 + 13) % int(manifest["tokenizer"]["vocab_size"])   # the probe every check scores
     for role, entry in manifest["models"].items():
         if role == "target" and entry.get("min_call_tokens", 1) < min_call_tokens(bundle / entry["file"]):
             entry["min_call_tokens"] = min_call_tokens(bundle / entry["file"])      # bundles made before it
             log(f"{role}: every call scores >= {entry['min_call_tokens']} tokens (int4 kernel numerics)")
             write_manifest(manifest_path.parent, manifest)
         if entry.get("tree_mask") and entry.get("attention") == FUSED and fold and entry.get("rotary") != FOLDED:
-            old = _fold_in_bundle(bundle, role, entry, log)
+            old = _fold_in_bundle(bundle, role, entry, ids, log)
             if old is not None:
                 write_manifest(manifest_path.parent, manifest)
                 old.unlink()
@@ -374,8 +373,6 @@ def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True, fold: bo
             continue
         log(f"{role}: rewriting {entry['file']} to take a 4D attention mask"
             + (" and fused attention" if fuse else "") + " ...")
-        vocab = int(manifest["tokenizer"]["vocab_size"])
-        ids = (np.arange(11) * 7919 + 13) % vocab
         new_entry, checked = rewrite_checked(src, dst, entry, ids, fuse=fuse, log=log, fold=fold)
         if new_entry.get("attention") != FUSED and entry.get("tree_mask"):
             dst.unlink(missing_ok=True)      # fusing failed and the graph already had its tree mask

@@ -109,6 +109,15 @@ def save_graph_beside(model, src: Path, dst: Path, what: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def external_bytes(tensor, base_dir: Path) -> bytes:
+    """The bytes of a tensor kept in external data (its location is relative to base_dir), read
+    without loading the graph's other weights."""
+    info = {e.key: e.value for e in tensor.external_data}
+    with open(Path(base_dir) / info["location"], "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        return f.read(int(info["length"]))
+
+
 def existing_manifest(bundle: Path) -> dict:
     """The manifest of a bundle an upgrade rewrites in place; ExportError when it is not a bundle."""
     path = Path(bundle) / "spectr.json"
