@@ -75,6 +75,8 @@ def machine_info() -> dict:
         info["memory_gib"] = round(int(mem[0].split()[1]) / 2**20, 1) if mem else None
     except OSError:
         info["cpu"] = platform.processor()
+    if "hide_avx512" in os.environ.get("LD_PRELOAD", ""):      # bench/cpu_mask.py runs this process
+        info["hidden_cpu_features"] = "AVX-512, AVX-VNNI, AMX (bench/cpu_mask.py): AVX2 kernels"
     try:
         info["git_commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                             capture_output=True, text=True, check=True).stdout.strip()

@@ -54,7 +54,9 @@ VARIANTS = {
     "1 thread": {"from": "int4", "threads": 1},
     "spinning off": {"from": "int4", "spinning": False},
     "rotary folded": {"from": "int4", "fold_rotary": True},      # export/fuse_rotary.py, on a bundle without it
-    "QKV one matmul": {"from": "int4", "merge_qkv": True},        # on a bundle with the rotary folded
+    "projections merged": {"from": "int4", "merge": True},          # export/merge_ops.py, on a bundle without it
+    "skip norms": {"from": "int4", "norms": True},
+    "fewer ops": {"from": "int4", "merge": True, "norms": True},    # both: what an export now writes
 }
 
 
@@ -87,66 +89,29 @@ def fold_rotary(spec, dst: Path) -> None:
     onnx.save(model, str(dst))
 
 
-def merge_qkv(spec, dst: Path) -> None:
-    """INT4's graph (rotary folded) with each layer's query, key and value projections in one
-    MatMulNBits (weights, scales and zero points stacked by output column, the biases its bias input)
-    in place of three MatMulNBits, three bias Adds and the Concat that packs them."""
-    import copy
-
+def fewer_ops(spec, dst: Path, merge: bool, norms: bool) -> None:
+    """INT4's graph (rotary folded) with export/merge_ops.py's rewrites: each layer's Q, K, V and its MLP's
+    gate and up projections in one MatMulNBits each (merge), the residual adds inside the norms (norms)."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import TensorProto, numpy_helper
 
-    from spectr_edge_export.fuse_rotary import _inline
+    from spectr_edge_export.merge_ops import fuse_skip_norms, merge_projections
+    from spectr_edge_export.writer import WeightsFile
 
-    if spec.rotary == "unfused":
-        raise SystemExit(f"error: {spec.file} packs no Q, K, V (run spectr-edge export --add-tree-mask first)")
     model = onnx.load(str(spec.file), load_external_data=False)
-    graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    inits = {t.name: t for t in graph.initializer}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    weights = WeightsFile(dst)
 
-    def array(name):
-        t = copy.deepcopy(inits[name])
-        _inline(t, spec.file.parent)
-        return numpy_helper.to_array(t)
+    def read(tensor):
+        copy = TensorProto()
+        copy.CopyFrom(tensor)
+        return numpy_helper.to_array(copy, str(spec.file.parent))
 
-    merged = 0
-    for gqa in [n for n in graph.node if n.op_type == "GroupQueryAttention"]:
-        concat = producer[gqa.input[0]]
-        parts = []
-        for name in concat.input:
-            add = producer[name]
-            bias = next(i for i in add.input if i in inits)
-            parts.append((producer[next(i for i in add.input if i != bias)], bias, add))
-        if any(mm.op_type != "MatMulNBits" or mm.input[0] != parts[0][0].input[0] for mm, _, _ in parts):
-            continue
-        attrs = [{a.name: helper.get_attribute_value(a) for a in mm.attribute} for mm, _, _ in parts]
-        if any({k: v for k, v in a.items() if k != "N"} != {k: v for k, v in attrs[0].items() if k != "N"}
-               for a in attrs):
-            continue
-        name = concat.output[0] + "_merged"
-        stacked = []
-        for j in (1, 2, 3):
-            stacked.append(numpy_helper.from_array(np.concatenate([array(mm.input[j]) for mm, _, _ in parts]),
-                                                   f"{name}_{j}"))
-        stacked.append(numpy_helper.from_array(np.concatenate([array(b) for _, b, _ in parts]), f"{name}_bias"))
-        graph.initializer.extend(stacked)
-        a0 = dict(attrs[0], N=sum(a["N"] for a in attrs))
-        inputs = [parts[0][0].input[0]] + [t.name for t in stacked[:3]] + ["", stacked[3].name]   # no g_idx
-        node = helper.make_node("MatMulNBits", inputs, [concat.output[0]], name=name, domain="com.microsoft", **a0)
-        for old in [concat] + [x for mm, _, add in parts for x in (mm, add)]:
-            graph.node.remove(old)
-        graph.node.append(node)
-        merged += 1
-    from spectr_edge_export.fuse_attention import _topological
-    from spectr_edge_export.tree_mask import _prune
-    _prune(graph)
-    used = {i for n in graph.node for i in n.input}
-    for t in [t for t in graph.initializer if t.name not in used]:
-        graph.initializer.remove(t)
-    _topological(graph)
-    print(f"  {merged} layers' Q, K, V projections merged", flush=True)
-    _link_weights(spec.file, dst)
+    merged = merge_projections(model, read, weights.put) if merge else 0
+    fused = fuse_skip_norms(model) if norms else 0
+    weights.take_rest(model, spec.file.parent)
+    weights.commit()
+    print(f"  {merged} groups of projections merged, {fused} residual adds inside their norms", flush=True)
     onnx.save(model, str(dst))
 
 
@@ -163,15 +128,15 @@ def make_variants(float32_spec, int4_spec, names: list[str], graphs: Path) -> di
     files = {}
     for name in names:
         v = VARIANTS[name]
-        if v["from"] == "int4" and not {"accuracy_level", "fold_rotary", "merge_qkv"} & set(v):
+        if v["from"] == "int4" and not {"accuracy_level", "fold_rotary", "merge", "norms"} & set(v):
             files[name] = int4_spec.file
             continue
         out = graphs / name.replace(" ", "-").replace("(", "").replace(")", "") / "model.onnx"
         started = time.perf_counter()
         if v.get("fold_rotary"):
             fold_rotary(int4_spec, out)
-        elif v.get("merge_qkv"):
-            merge_qkv(int4_spec, out)
+        elif v.get("merge") or v.get("norms"):
+            fewer_ops(int4_spec, out, v.get("merge", False), v.get("norms", False))
         elif v["from"] == "int4":
             set_accuracy(int4_spec.file, out, v["accuracy_level"])
         else:
@@ -291,8 +256,10 @@ def main(argv=None) -> None:
     print(f"timing {len(lms)} variants x {len(CALL_SIZES)} call sizes, {args.rounds} rounds ...", flush=True)
     ms = time_calls(lms, args.past, args.rounds, args.calls)
     base = ms[names[0]]["2"]
+    machine = harness.machine_info()
     lines = [f"`{' '.join(['.venv/bin/python bench/int4_levers.py'] + [str(a) for a in (argv or sys.argv[1:])])}`",
-             f"({harness.machine_info().get('cpu', '?')}; past {args.past} tokens, medians of "
+             f"({machine.get('cpu', '?')}" + (f", {machine['hidden_cpu_features']}" if machine.get("hidden_cpu_features")
+                                             else "") + f"; past {args.past} tokens, medians of "
              f"{args.rounds} x {args.calls} calls per size)", "",
              "| variant | ms: 1 row raw | 2 (a decode) | 4 | 8 | decode vs " + names[0] + " | top-1 vs float32 | KL | file MiB |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -303,7 +270,7 @@ def main(argv=None) -> None:
     table = "\n".join(lines)
     print(table)
     (out_dir / "table.md").write_text(table + "\n")
-    (out_dir / "levers.json").write_text(json.dumps({"machine": harness.machine_info(), "args": vars(args) | {
+    (out_dir / "levers.json").write_text(json.dumps({"machine": machine, "args": vars(args) | {
         "float32_bundle": str(args.float32_bundle), "int4_bundle": str(args.int4_bundle)},
         "ms": ms, "accuracy": accuracy}, indent=1, default=str))
     if not args.keep:

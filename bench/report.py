@@ -150,7 +150,9 @@ def markdown(raw: dict) -> str:
     lines = [f"Command: `{meta['command']}`", "",
              f"Prompts: {meta['subset']} of Spec-Bench ({len(meta['prompts'])}: ids "
              f"{', '.join(str(p['id']) for p in meta['prompts'])}), {meta['max_new_tokens']} new tokens, "
-             f"{meta['date']}, git {meta['machine'].get('git_commit')}.", "",
+             f"{meta['date']}, git {meta['machine'].get('git_commit')}."
+             + (f" Hidden from every worker's libraries: {meta['machine']['hidden_cpu_features']}."
+                if meta["machine"].get("hidden_cpu_features") else ""), "",
              "| method | prompts | TTFT ms | ms/token median | ms/token p90 | tokens/s | speedup vs target-only | "
              "tokens per target call | acceptance | peak RSS GiB | time outside ORT |" + (" vs its own target-only |" if own else "")
              + " Spec-Bench overall |",
@@ -216,6 +218,8 @@ def caption(fig, raw: dict, baseline: str) -> None:
     fig.captioned = True
     meta, machine = raw["meta"], raw["meta"].get("machine", {})
     flags = ", ".join(machine.get("cpu_flags") or []) or "flags not recorded"
+    if machine.get("hidden_cpu_features"):
+        flags += "; AVX-512 hidden from the libraries: AVX2 kernels"
     fig.text(0.01, 0.005, f"baseline: {baseline}\nrun: {meta.get('command', '?')} ({meta.get('date', '?')[:10]}, git "
              f"{machine.get('git_commit', '?')}); {len(meta.get('prompts', []))} Spec-Bench prompts, "
              f"{meta.get('max_new_tokens', '?')} tokens\nmachine: {machine.get('cpu', '?')}, {machine.get('cpus', '?')} "

@@ -3,6 +3,7 @@
     .venv/bin/python bench/run.py --suite default --quick       # a few minutes, for development
     .venv/bin/python bench/run.py --suite precisions            # every target precision, llama.cpp, ORT GenAI
     .venv/bin/python bench/run.py --suite policies --checkout ../other-worktree   # two versions of the code
+    .venv/bin/python bench/run.py --suite int4-peers --hide-avx512  # AVX2 kernels only (bench/cpu_mask.py)
     (the suites are in bench/suites.py)
 
 Every method runs in a worker process (bench/workers/), one worker per tool configuration
@@ -35,6 +36,7 @@ import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_mask  # noqa: E402
 import harness  # noqa: E402
 from suites import PROMPTS, suite  # noqa: E402
 
@@ -47,6 +49,13 @@ TARGET_GGUF, DRAFT_GGUF = "Qwen2.5-Coder-1.5B-Instruct.gguf", "Qwen2.5-Coder-0.5
 ORTGENAI = Path(os.environ.get("ORTGENAI_MODELS", "~/.cache/spectr-edge/peers/ortgenai")).expanduser()
 STOP_IDS = "151645,151643"   # spectr-edge's stop ids for Qwen2.5 (<|im_end|>, <|endoftext|>); peers get the same
 SETUP = {"llamacpp": "bash bench/peers/llamacpp_setup.sh", "ortgenai": "bash bench/peers/ortgenai_setup.sh"}
+
+
+def peer_venv(tool: str, args) -> tuple[Path, str]:
+    """A peer's environment and the command that sets it up; with --hide-avx512, llama.cpp's AVX2-only build."""
+    if tool == "llamacpp" and getattr(args, "hide_avx512", False):
+        return BENCH / ".venv-llamacpp-avx2", "LLAMACPP_ISA=avx2 bash bench/peers/llamacpp_setup.sh"
+    return BENCH / f".venv-{tool}", SETUP[tool]
 
 
 def in_checkout(method: dict, checkout: str, tag: str) -> dict:
@@ -74,7 +83,7 @@ def worker_command(key: str, args) -> list[str]:
         return [PY, str(BENCH / "workers" / "hf_worker.py"), "--target", str(GGUF / TARGET_GGUF),
                 "--draft", str(GGUF / DRAFT_GGUF), "--eos-ids", STOP_IDS, "--threads", str(args.threads or 2)]
     if tool == "llamacpp":
-        py = BENCH / ".venv-llamacpp" / "bin" / "python"
+        py = peer_venv(tool, args)[0] / "bin" / "python"
         return [str(py), str(BENCH / "workers" / "llamacpp_worker.py"), "--model", str(GGUF / TARGET_GGUF),
                 "--draft", str(GGUF / DRAFT_GGUF), "--eos-ids", STOP_IDS, "--threads", str(args.threads or 2)]
     if tool == "ortgenai":
@@ -85,7 +94,7 @@ def worker_command(key: str, args) -> list[str]:
     raise SystemExit(f"error: no worker for {key!r}")
 
 
-def missing_setup(key: str) -> str | None:
+def missing_setup(key: str, args) -> str | None:
     """Why a peer worker cannot start (its environment or models are not set up), or None."""
     tool, _, rest = key.partition(":")
     if tool.startswith("spectr@") and not (Path(tool.removeprefix("spectr@")) / "spectr_edge").is_dir():
@@ -97,8 +106,9 @@ def missing_setup(key: str) -> str | None:
         quant = next((q for q in ("int8", "int4", "w8a8") if q in rest), None)
         return (f"{rest} is missing; run `.venv/bin/python bench/quant_twin.py models/default {rest} "
                 f"--target-quant {quant}`" if quant else f"{rest} is missing")
-    if tool in SETUP and not (BENCH / f".venv-{tool}" / "bin" / "python").exists():
-        return f"bench/.venv-{tool} is missing; run `{SETUP[tool]}`"
+    if tool in SETUP and not (peer_venv(tool, args)[0] / "bin" / "python").exists():
+        venv, setup = peer_venv(tool, args)
+        return f"bench/{venv.name} is missing; run `{setup}`"
     if tool == "ortgenai":
         for part in rest.split("+"):
             if not (ORTGENAI / part / "genai_config.json").exists():
@@ -164,10 +174,13 @@ def start_workers(members: list[dict], args, log) -> tuple[dict, dict]:
     """Start the workers a group needs; a peer that cannot start becomes a reason in the table."""
     workers, unavailable = {}, {}
     for key in dict.fromkeys(m["worker"] for m in members):
-        why = missing_setup(key)
+        why = missing_setup(key, args)
         if why is None:
+            cmd = worker_command(key, args)
+            if args.hide_avx512:       # every worker runs the kernels of an AVX2-only CPU
+                cmd = ["env", f"LD_PRELOAD={cpu_mask.library()}"] + cmd
             try:
-                workers[key] = Worker(key, worker_command(key, args), log)
+                workers[key] = Worker(key, cmd, log)
             except SystemExit as err:   # the worker printed its traceback into log.txt
                 why = str(err).removeprefix("error: ")
         if why is not None:
@@ -228,7 +241,12 @@ def main(argv=None) -> None:
                     help="another checkout of spectr-edge (e.g. a git worktree of an earlier commit): every "
                          "spectr-edge method also runs under its code, tagged [other checkout], interleaved")
     ap.add_argument("--out", default=None, help="output folder (default bench/results/<date>-<name>)")
+    ap.add_argument("--hide-avx512", action="store_true",
+                    help="run every worker as if this CPU had AVX2 and no AVX-512 (bench/cpu_mask.py); llama.cpp "
+                         "from its AVX2-only build (LLAMACPP_ISA=avx2 bench/peers/llamacpp_setup.sh)")
     args = ap.parse_args(argv)
+    if args.hide_avx512:
+        cpu_mask.check()
     methods = suite(args.suite, args.all_configs, args.tree_bundle)
     if args.checkout:
         checkout = str(Path(args.checkout).resolve())
@@ -253,7 +271,8 @@ def main(argv=None) -> None:
         groups.setdefault(m.get("group", "main"), []).append(m)
     meta = {"command": " ".join([Path(sys.executable).name] + sys.argv), "suite": args.suite, "subset": subset,
             "max_new_tokens": args.max_new_tokens, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": harness.machine_info(), "workers": {}, "methods": methods, "groups": list(groups),
+            "machine": harness.machine_info() | ({"hidden_cpu_features": cpu_mask.HIDDEN} if args.hide_avx512 else {}),
+            "workers": {}, "methods": methods, "groups": list(groups),
             "prompts": [{k: p[k] for k in ("id", "category", "task")} for p in prompts]}
     rows: list[dict] = []
     from tqdm import tqdm

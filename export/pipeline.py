@@ -195,15 +195,17 @@ def _add_tree_mask(role: str, entry: dict, bundle: Path, progress: Progress, ids
     with progress.step(f"adding a tree mask to the {role} graph" + (" and fusing its attention" if fuse else "")):
         src = bundle / entry["file"]
         tmp = src.with_name(src.stem + ".tree.onnx")
+        old_files = onnx_export.model_files(src)
         try:
             new, checked = tree_mask.rewrite_checked(src, tmp, entry, ids[:32], fuse=fuse, log=progress.log)
         except ExportError as err:
             # e.g. a ready ONNX graph whose attention is already fused (no Softmax to find the mask by)
-            tmp.unlink(missing_ok=True)
+            writer.remove_unreferenced(onnx_export.model_files(tmp) if tmp.exists() else [], src)
             progress.log(f"      no tree mask for the {role} graph ({err}): exported as with --no-tree-mask, "
                          "so it verifies chains, not trees")
             return entry
         os.replace(tmp, src)
+        writer.remove_unreferenced(old_files, src)    # the weights the rewrite stacked into a new file
         new["size_bytes"] = sum(f.stat().st_size for f in onnx_export.model_files(src))
         progress.log(f"      {checked}")
     return new

@@ -255,12 +255,13 @@ def try_fold_rotary(model, entry: dict, base_dir: Path, log=print) -> bool:
 
 
 def rewrite_graph(src: Path, dst: Path, entry: dict | None = None, fuse: bool = False,
-                  log=print, fold: bool = True) -> tuple[bool, bool, bool]:
+                  log=print, fold: bool = True, merge: bool = True) -> tuple[bool, bool, bool]:
     """Write the tree-mask version of src (same external data, same directory) to dst, atomically.
 
     A graph that already takes a tree mask keeps it. With fuse (and the manifest entry, for the
-    cache names), the attention is also fused (export/fuse_attention.py) and, with fold and where
-    the pattern is found, the rotary embedding folded into it (export/fuse_rotary.py). Returns (whether
+    cache names), the attention is also fused (export/fuse_attention.py), with fold and where the
+    pattern is found, the rotary embedding folded into it (export/fuse_rotary.py), and with merge the
+    projections merged and the residual adds moved into the norms (fewer_ops). Returns (whether
     attention_mask is still an input, whether the attention is fused, whether the rotary is folded).
     """
     import onnx
@@ -272,77 +273,141 @@ def rewrite_graph(src: Path, dst: Path, entry: dict | None = None, fuse: bool = 
         still = any(i.name == "attention_mask" for i in model.graph.input)
     else:
         model, still = add_tree_mask(model)
-    folded = False
+    folded, weights = False, None
     if fuse:
         fuse_attention(model, entry["inputs"]["past"], entry["outputs"]["present"], int(entry["head_dim"]),
                        int(entry["num_kv_heads"]), TREE_MASK_INPUT)
         folded = fold and try_fold_rotary(model, entry, src.parent, log)
-    save_graph_beside(model, src, dst, "tree-mask")
+        if merge:
+            weights, _ = fewer_ops(model, src, dst, log)
+    save_graph_beside(model, src, dst, "tree-mask", weights)
     return still, fuse, folded
 
 
+def fewer_ops(model, src: Path, dst: Path, log=print):
+    """Merge sibling projections and fold residual adds into the norms (export/merge_ops.py), in place.
+    Returns (the WeightsFile that holds dst's weights when projections were merged, else None: the
+    graph keeps src's external data; how many rewrites were made)."""
+    from onnx import TensorProto, numpy_helper
+
+    from .merge_ops import fuse_skip_norms, merge_projections
+    from .writer import WeightsFile
+
+    def read(tensor) -> np.ndarray:       # from a copy: the graph's own proto keeps no bytes it did not have
+        copy = TensorProto()
+        copy.CopyFrom(tensor)
+        return numpy_helper.to_array(copy, str(src.parent))
+
+    weights = WeightsFile(dst)
+    try:
+        merged = merge_projections(model, read, weights.put)
+        norms = fuse_skip_norms(model)
+        if merged:
+            weights.take_rest(model, src.parent)
+    except BaseException:
+        weights.discard()
+        raise
+    if not merged:
+        weights.discard()
+        weights = None
+    if merged or norms:
+        log(f"      {merged} groups of projections merged into one matrix product each, {norms} residual adds "
+            "folded into their norms")
+    return weights, merged + norms
+
+
 def rewrite_checked(src: Path, dst: Path, entry: dict, ids: np.ndarray, fuse: bool = True,
-                    log=print, fold: bool = True) -> tuple[dict, str]:
+                    log=print, fold: bool = True, merge: bool = True) -> tuple[dict, str]:
     """rewrite_graph + check_tree_graph; when fusing fails (pattern or check), falls back to the
     unfused tree graph and says why. Returns (the new manifest entry, what was checked)."""
     if fuse:
         try:
-            still, fused, folded = rewrite_graph(src, dst, entry, fuse=True, log=log, fold=fold)
+            still, fused, folded = rewrite_graph(src, dst, entry, fuse=True, log=log, fold=fold, merge=merge)
             new = tree_entry(entry, still, fused, folded)
             return new, check_tree_graph(src, dst, entry, new, ids) + "; attention fused (GroupQueryAttention" + (
                 ", rotary embedding inside)" if folded else ")")
         except ExportError as err:
             log(f"      attention left unfused: {err}")
+            dst.with_name(dst.name + ".data").unlink(missing_ok=True)    # merged weights of the refused graph
     still, _, _ = rewrite_graph(src, dst)
     new = tree_entry(entry, still)
     return new, check_tree_graph(src, dst, entry, new, ids)
 
 
-def _fold_in_bundle(bundle: Path, role: str, entry: dict, ids: np.ndarray, log=print) -> Path | None:
-    """Fold the rotary embedding of a bundle's fused graph into its attention (export/fuse_rotary.py):
-    the new graph is written beside the old one and checked against it, then entry (in place) points
-    at it; returns the old graph file, for the caller to remove once the manifest says so. None where
-    the pattern is not found (nothing changes)."""
+def _fold_in_bundle(bundle: Path, role: str, entry: dict, ids: np.ndarray, log=print,
+                    merge: bool = True) -> list[Path] | None:
+    """Fold the rotary embedding of a bundle's fused graph into its attention (export/fuse_rotary.py)
+    and merge its projections (fewer_ops): the new graph is written beside the old one and checked
+    against it, then entry (in place) points at it; returns the old graph's files, for the caller to
+    remove once the manifest says so. None where the pattern is not found (nothing changes)."""
     import onnx
-
-    from .writer import save_graph_beside
 
     src = bundle / entry["file"]
     model = onnx.load(str(src), load_external_data=False)
     if not try_fold_rotary(model, entry, src.parent, log):
         return None
-    dst = src.with_name(src.name.split(".")[0] + ".rotary.onnx")
     log(f"{role}: folding the rotary embedding into the attention kernel ({entry['file']}) ...")
-    save_graph_beside(model, src, dst, "rotary")
-    from .onnx_export import model_files
+    return _replace_checked(bundle, role, entry, model, src.with_name(src.name.split(".")[0] + ".rotary.onnx"),
+                            ids, log, {"rotary": FOLDED}, merge)
 
-    new = {**entry, "rotary": FOLDED, "file": dst.relative_to(bundle).as_posix(),
+
+def _fewer_ops_in_bundle(bundle: Path, role: str, entry: dict, ids: np.ndarray, log=print) -> list[Path] | None:
+    """fewer_ops on a bundle's fused graph made before it existed: written beside it (model.merged.onnx,
+    with its own weights file when projections were merged), checked, then entry (in place) points at
+    it; returns the old graph's files, or None when there is nothing to merge."""
+    import onnx
+
+    src = bundle / entry["file"]
+    model = onnx.load(str(src), load_external_data=False)
+    base = src.name.split(".")[0]
+    dst = src.with_name(base + (".merged.onnx" if src.name != base + ".merged.onnx" else ".fewer.onnx"))
+    return _replace_checked(bundle, role, entry, model, dst, ids, log, {}, merge=True)
+
+
+def _replace_checked(bundle: Path, role: str, entry: dict, model, dst: Path, ids: np.ndarray, log,
+                     fields: dict, merge: bool = True) -> list[Path] | None:
+    """Save model (rewritten from entry's graph) as dst, after fewer_ops where merge; check it against
+    the old graph; point entry (in place) at it. Returns the old graph's files (None: merge found
+    nothing and there was no other change to save)."""
+    from .onnx_export import model_files
+    from .writer import save_graph_beside
+
+    src = bundle / entry["file"]
+    weights, rewrites = fewer_ops(model, src, dst, log) if merge else (None, 0)
+    if not fields and not rewrites:
+        return None
+    save_graph_beside(model, src, dst, "rewritten", weights)
+    new = {**entry, **fields, "file": dst.relative_to(bundle).as_posix(),
            "size_bytes": sum(f.stat().st_size for f in model_files(dst))}
     try:
         checked = check_tree_graph(src, dst, entry, new, ids)
     except ExportError:
-        dst.unlink(missing_ok=True)
+        remove_unreferenced(model_files(dst), src)
         raise
     log(f"{role}: " + checked)
+    old = model_files(src)
     entry.clear()
     entry.update(new)
-    return src
+    return old
 
 
-def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True, fold: bool = True) -> list[str]:
+def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True, fold: bool = True,
+                            merge: bool = True) -> list[str]:
     """Upgrade an existing bundle in place: every graph gets a tree mask and (fuse) fused attention,
     (fold) with the rotary embedding inside the attention kernel, also for graphs fused before that
-    existed (model.rotary.onnx).
+    existed (model.rotary.onnx), and (merge) merged projections and residual adds inside the norms,
+    also for graphs fused and folded before that existed (model.merged.onnx, with its own weights).
 
     Each model's new graph is written beside the old one (model.gqa.onnx, or model.tree.onnx
-    when not fused; the weights in external data are shared), checked, then the manifest is
-    switched to it atomically and the old graph file removed, so an interruption at any point
-    leaves a loadable bundle. Then every graph gets the logits_keep input (export/logits_keep.py).
+    when not fused; the weights in external data are shared, or written anew beside it when
+    projections are merged), checked, then the manifest is switched to it atomically and the old
+    graph's files removed, so an interruption at any point leaves a loadable bundle. Then every graph gets the logits_keep input (export/logits_keep.py).
     Returns the roles changed.
     """
     import os
 
-    from .writer import existing_manifest
+    from .onnx_export import model_files
+    from .writer import existing_manifest, remove_unreferenced
 
     bundle = Path(bundle)
     manifest_path = bundle / "spectr.json"
@@ -355,14 +420,23 @@ def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True, fold: bo
             log(f"{role}: every call scores >= {entry['min_call_tokens']} tokens (int4 kernel numerics)")
             write_manifest(manifest_path.parent, manifest)
         if entry.get("tree_mask") and entry.get("attention") == FUSED and fold and entry.get("rotary") != FOLDED:
-            old = _fold_in_bundle(bundle, role, entry, ids, log)
+            old = _fold_in_bundle(bundle, role, entry, ids, log, merge)
             if old is not None:
                 write_manifest(manifest_path.parent, manifest)
-                old.unlink()
+                remove_unreferenced(old, bundle / entry["file"])
                 changed.append(role)
             continue
-        if entry.get("tree_mask") and (entry.get("attention") == FUSED or not fuse):
-            log(f"{role}: already takes a tree mask" + (" with fused attention" if fuse else ""))
+        if entry.get("tree_mask") and entry.get("attention") == FUSED and fuse:
+            old = _fewer_ops_in_bundle(bundle, role, entry, ids, log) if merge else None
+            if old:
+                write_manifest(manifest_path.parent, manifest)
+                remove_unreferenced(old, bundle / entry["file"])
+                changed.append(role)
+            else:
+                log(f"{role}: already takes a tree mask with fused attention")
+            continue
+        if entry.get("tree_mask") and not fuse:
+            log(f"{role}: already takes a tree mask")
             continue
         if not entry["inputs"].get("position_ids"):
             raise ExportError(f"the {role} graph has no position_ids input; a tree needs explicit positions")
@@ -373,7 +447,7 @@ def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True, fold: bo
             continue
         log(f"{role}: rewriting {entry['file']} to take a 4D attention mask"
             + (" and fused attention" if fuse else "") + " ...")
-        new_entry, checked = rewrite_checked(src, dst, entry, ids, fuse=fuse, log=log, fold=fold)
+        new_entry, checked = rewrite_checked(src, dst, entry, ids, fuse=fuse, log=log, fold=fold, merge=merge)
         if new_entry.get("attention") != FUSED and entry.get("tree_mask"):
             dst.unlink(missing_ok=True)      # fusing failed and the graph already had its tree mask
             continue
@@ -383,10 +457,11 @@ def add_tree_mask_to_bundle(bundle: Path, log=print, fuse: bool = True, fold: bo
             dst = fallback
         new_entry["file"] = dst.relative_to(bundle).as_posix()
         log(f"{role}: " + checked)
+        old_files = model_files(src)
         manifest["models"][role] = new_entry
         write_manifest(manifest_path.parent, manifest)
         if src != dst:
-            src.unlink()
+            remove_unreferenced(old_files, dst)
         changed.append(role)
     from .logits_keep import add_logits_keep_to_bundle
     for role in add_logits_keep_to_bundle(bundle, log):

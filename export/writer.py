@@ -94,19 +94,92 @@ def write_manifest(bundle: Path, manifest: dict) -> None:
     write_json(bundle / _PENDING, manifest)
 
 
-def save_graph_beside(model, src: Path, dst: Path, what: str) -> None:
-    """Save a rewritten graph proto whose weights stay in src's external data to dst, atomically
-    (a temporary file beside it, then os.replace); dst must sit beside src."""
+def save_graph_beside(model, src: Path, dst: Path, what: str, weights: "WeightsFile | None" = None) -> None:
+    """Save a rewritten graph proto to dst, atomically (a temporary file beside it, then os.replace);
+    dst must sit beside src. Its weights stay in src's external data, or, when the rewrite made new
+    ones, in `weights` (committed first, so the graph never points at a missing file)."""
     import onnx
 
     if src.parent.resolve() != dst.parent.resolve():
         raise ExportError(f"the {what} graph must sit beside its external data")
     tmp = dst.with_name(dst.name + f".partial-{os.getpid()}")
     try:
+        if weights is not None:
+            weights.commit()
         onnx.save(model, str(tmp))
         os.replace(tmp, dst)
+    except BaseException:
+        if weights is not None:
+            weights.discard()
+        raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def remove_unreferenced(files: list[Path], graph: Path) -> None:
+    """Remove those of a replaced graph's files (the graph, its external data) that `graph` does not use."""
+    from .onnx_export import model_files
+
+    keep = {f.resolve() for f in model_files(graph)} if graph.exists() else set()
+    for f in files:
+        if f.resolve() not in keep:
+            f.unlink(missing_ok=True)
+
+
+class WeightsFile:
+    """The external data of a rewritten graph that holds new weights: <graph>.data beside the graph.
+
+    Tensors are appended as they are made (put), at 4 KiB-aligned offsets, and each then points at
+    its bytes; take_rest copies the graph's remaining external tensors from the old file, one at a
+    time, so the new file holds exactly the weights the graph reads and the old one can go. Written
+    under a temporary name until commit (discard removes it)."""
+
+    ALIGN = 4096
+    INLINE_BELOW = 1024     # smaller new tensors stay in the graph proto
+
+    def __init__(self, graph_path: Path):
+        self.path = Path(graph_path).with_name(Path(graph_path).name + ".data")
+        self._tmp = self.path.with_name(self.path.name + f".partial-{os.getpid()}")
+        self._file = open(self._tmp, "wb")
+        self._written: set[str] = set()      # names of the tensors whose bytes are in this file
+
+    def put(self, tensor, data: bytes | None = None) -> None:
+        """Append the tensor's bytes (its raw_data, or `data` for a tensor kept elsewhere) and point it here."""
+        from onnx import TensorProto
+
+        raw = tensor.raw_data if data is None else data
+        if data is None and len(raw) < self.INLINE_BELOW:
+            return
+        self._file.write(b"\0" * (-self._file.tell() % self.ALIGN))
+        offset = self._file.tell()
+        self._file.write(raw)
+        self._written.add(tensor.name)
+        tensor.ClearField("raw_data")
+        tensor.data_location = TensorProto.EXTERNAL
+        del tensor.external_data[:]
+        for key, value in (("location", self.path.name), ("offset", str(offset)), ("length", str(len(raw)))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+
+    def take_rest(self, model, base_dir: Path) -> None:
+        """Copy every tensor of the graph still kept in another external file into this one."""
+        from onnx import TensorProto
+
+        tensors = list(model.graph.initializer) + [a.t for n in model.graph.node for a in n.attribute
+                                                   if a.HasField("t")]
+        for t in tensors:
+            if t.data_location == TensorProto.EXTERNAL and t.name not in self._written:
+                self.put(t, external_bytes(t, base_dir))
+
+    def commit(self) -> None:
+        self._file.close()
+        os.replace(self._tmp, self.path)
+
+    def discard(self) -> None:
+        """Remove what was written (committed or not): the graph that would read it was not saved."""
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
 
 
 def external_bytes(tensor, base_dir: Path) -> bytes:

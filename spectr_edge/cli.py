@@ -414,7 +414,8 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
 @click.option("--add-tree-mask", is_flag=True,
               help="Upgrade the existing bundle at --out in place: its graphs take a tree mask and use fused "
                    "attention with in-place cache buffers and the rotary embedding inside where the graph allows, "
-                   "and return only the logits a call needs (weights untouched).")
+                   "merged projections (Q, K, V and gate, up: the same weights stacked, identical logits), "
+                   "and return only the logits a call needs.")
 @click.option("--add-lookup-table", is_flag=True,
               help="(Re)build prompt lookup's static next-token table of the existing bundle at --out "
                    "(new exports have it).")
@@ -467,7 +468,7 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
         from spectr_edge_export.tree_mask import add_tree_mask_to_bundle
         changed = add_tree_mask_to_bundle(out, log=click.echo)
         click.echo(f"{out}: {', '.join(changed) or 'nothing'} upgraded (tree verification, fused attention "
-                   "with the rotary embedding inside, logits of the needed positions only)")
+                   "with the rotary embedding inside, merged projections, logits of the needed positions only)")
         return
     if not (preset or target):
         raise click.UsageError("give --target SRC (and --draft SRC) or --preset NAME")

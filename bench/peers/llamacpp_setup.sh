@@ -5,17 +5,25 @@
 #
 # By default the build is the one users get from `pip install llama-cpp-python`: native to the
 # machine that builds it (GGML_NATIVE=ON: every instruction set this CPU has, AVX-512 and VNNI
-# included where present), so a comparison against it is fair on every CPU. LLAMACPP_GENERIC=1
-# builds for generic x86-64-v3 instead (SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512), spelled
-# out because ggml turns them on by default only when GGML_NATIVE_DEFAULT is ON, which it is not
-# when SOURCE_DATE_EPOCH is set (that would silently give an SSE2-only build). No BLAS, CUDA or
-# curl. The worker records llama.cpp's own system info (the kernels it chose) in every run.
+# included where present), so a comparison against it is fair on every CPU. LLAMACPP_ISA=avx2
+# builds, into bench/.venv-llamacpp-avx2, what a native build gives on an AVX2-only CPU such as AMD
+# Zen 3 (SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512): the peer of `bench/run.py --hide-avx512`.
+# Those flags are spelled out because ggml turns them on by default only when GGML_NATIVE_DEFAULT
+# is ON, which it is not when SOURCE_DATE_EPOCH is set (that would silently give an SSE2-only
+# build). No BLAS, CUDA or curl. The worker records llama.cpp's own system info (the kernels it
+# chose) in every run.
 #
-#     bash bench/peers/llamacpp_setup.sh            # PYTHON=python3.11 to choose the interpreter
+#     bash bench/peers/llamacpp_setup.sh                     # PYTHON=python3.11 to choose the interpreter
+#     LLAMACPP_ISA=avx2 bash bench/peers/llamacpp_setup.sh   # the AVX2-only build
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-VENV="$ROOT/bench/.venv-llamacpp"
+ISA="${LLAMACPP_ISA:-native}"
+case "$ISA" in
+    native) VENV="$ROOT/bench/.venv-llamacpp" ;;
+    avx2) VENV="$ROOT/bench/.venv-llamacpp-avx2" ;;
+    *) echo "error: LLAMACPP_ISA is native or avx2, not $ISA" >&2; exit 2 ;;
+esac
 PYTHON="${PYTHON:-python3}"
 VERSION=0.3.36
 
@@ -26,7 +34,7 @@ fi
 
 COMMON="-DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_BACKEND_DL=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DLLAMA_CURL=OFF \
 -DCMAKE_BUILD_TYPE=Release"
-if [ "${LLAMACPP_GENERIC:-0}" = 1 ]; then
+if [ "$ISA" = avx2 ]; then
     export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON \
 -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF $COMMON"
 else
