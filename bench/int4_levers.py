@@ -93,21 +93,15 @@ def fewer_ops(spec, dst: Path, merge: bool, norms: bool) -> None:
     """INT4's graph (rotary folded) with export/merge_ops.py's rewrites: each layer's Q, K, V and its MLP's
     gate and up projections in one MatMulNBits each (merge), the residual adds inside the norms (norms)."""
     import onnx
-    from onnx import TensorProto, numpy_helper
 
     from spectr_edge_export.merge_ops import fuse_skip_norms, merge_projections
+    from spectr_edge_export.tree_mask import weights_reader
     from spectr_edge_export.writer import WeightsFile
 
     model = onnx.load(str(spec.file), load_external_data=False)
     dst.parent.mkdir(parents=True, exist_ok=True)
     weights = WeightsFile(dst)
-
-    def read(tensor):
-        copy = TensorProto()
-        copy.CopyFrom(tensor)
-        return numpy_helper.to_array(copy, str(spec.file.parent))
-
-    merged = merge_projections(model, read, weights.put) if merge else 0
+    merged = merge_projections(model, weights_reader(spec.file.parent), weights.put) if merge else 0
     fused = fuse_skip_norms(model) if norms else 0
     weights.take_rest(model, spec.file.parent)
     weights.commit()

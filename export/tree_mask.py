@@ -284,23 +284,31 @@ def rewrite_graph(src: Path, dst: Path, entry: dict | None = None, fuse: bool = 
     return still, fuse, folded
 
 
+def weights_reader(base_dir: Path):
+    """A function tensor -> its values, external data read from base_dir (hard-linked files too), through a
+    copy of the tensor: the graph's own proto keeps no bytes it did not have."""
+    from onnx import TensorProto, numpy_helper
+
+    from .fuse_rotary import _inline
+
+    def read(tensor) -> np.ndarray:
+        copy = TensorProto()
+        copy.CopyFrom(tensor)
+        _inline(copy, base_dir)
+        return numpy_helper.to_array(copy)
+    return read
+
+
 def fewer_ops(model, src: Path, dst: Path, log=print):
     """Merge sibling projections and fold residual adds into the norms (export/merge_ops.py), in place.
     Returns (the WeightsFile that holds dst's weights when projections were merged, else None: the
     graph keeps src's external data; how many rewrites were made)."""
-    from onnx import TensorProto, numpy_helper
-
     from .merge_ops import fuse_skip_norms, merge_projections
     from .writer import WeightsFile
 
-    def read(tensor) -> np.ndarray:       # from a copy: the graph's own proto keeps no bytes it did not have
-        copy = TensorProto()
-        copy.CopyFrom(tensor)
-        return numpy_helper.to_array(copy, str(src.parent))
-
     weights = WeightsFile(dst)
     try:
-        merged = merge_projections(model, read, weights.put)
+        merged = merge_projections(model, weights_reader(src.parent), weights.put)
         norms = fuse_skip_norms(model)
         if merged:
             weights.take_rest(model, src.parent)

@@ -11,6 +11,7 @@ without them is upgraded in place and decodes exactly as before.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import Counter
 
@@ -167,7 +168,7 @@ def test_a_bundle_made_before_the_merge_is_upgraded_in_place(tiny_bundle, tmp_pa
     from spectr_edge_export.tree_mask import add_tree_mask_to_bundle
 
     out = tmp_path / "bundle"
-    shutil.copytree(tiny_bundle, out)
+    shutil.copytree(tiny_bundle, out, copy_function=os.link)     # hard links, as bench/quant_twin.py's twins
     add_tree_mask_to_bundle(out, log=lambda _: None, merge=False)
     before_files = {role: sorted(p.name for p in (out / role).iterdir()) for role in ("target", "draft")}
     assert add_tree_mask_to_bundle(out, log=lambda _: None) == ["target", "draft"]
