@@ -34,9 +34,30 @@ def load_questions(path: Path = PROMPTS_FILE) -> list[dict]:
              "prompt": r["turns"][0]} for r in rows]
 
 
+# a subset's "LANG:" prefix asks for every answer in another language, the traffic of a deployment
+# whose users speak it (the shifted domain bench/draft_adaptation.py adapts the draft to)
+ANSWER_IN = {"de": "Bitte antworte auf Deutsch.", "fr": "Réponds en français, s'il te plaît.",
+             "es": "Responde en español, por favor.", "zh": "请用中文回答。"}
+
+
 def select_prompts(questions: list[dict], subset: str) -> list[dict]:
     """`first-N`: the first N questions; `stratified-N`: N per Spec-Bench task, evenly spaced
-    inside the task (for mt_bench, spread over its 8 categories); `ids-A,B,...`: those ids."""
+    inside the task (for mt_bench, spread over its 8 categories); `ids-A,B,...`: those ids.
+    `de:SUBSET` asks for the answers in German (a key of ANSWER_IN: the request ends the prompt, and
+    the prompt's "language" says so); `A+B` joins subsets (`de:ids-381,391+ids-91`), each id once."""
+    if "+" in subset:
+        chosen = [q for part in subset.split("+") for q in select_prompts(questions, part)]
+        ids = [q["id"] for q in chosen]
+        if len(set(ids)) != len(ids):
+            raise SystemExit(f"error: prompt subset {subset!r} names a question twice; each id may appear once")
+        return chosen
+    language, colon, rest = subset.partition(":")
+    if colon:
+        if language not in ANSWER_IN:
+            raise SystemExit(f"error: unknown answer language {language!r} in {subset!r}; use one of "
+                             f"{', '.join(ANSWER_IN)}")
+        return [{**q, "prompt": f"{q['prompt']}\n\n{ANSWER_IN[language]}", "language": language}
+                for q in select_prompts(questions, rest)]
     kind, _, arg = subset.partition("-")
     if kind == "first":
         return questions[:int(arg)]

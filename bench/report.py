@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import TASKS, median, p90  # noqa: E402
+from harness import ANSWER_IN, TASKS, median, p90  # noqa: E402
 
 
 def _ok(rows):
@@ -144,6 +144,16 @@ def _x(ratio) -> str:
     return "-" if ratio is None or ratio != ratio else f"{ratio:.2f}x"
 
 
+def _languages(prompts: list[dict]) -> str:
+    """Which prompts asked for their answer in another language (the `de:` subsets), if any."""
+    asked = defaultdict(list)
+    for p in prompts:
+        if p.get("language"):
+            asked[p["language"]].append(str(p["id"]))
+    return "".join(f" Prompts {', '.join(ids)} end with \"{ANSWER_IN[lang]}\" (answers in {lang})."
+                   for lang, ids in asked.items())
+
+
 def markdown(raw: dict) -> str:
     meta, table = raw["meta"], summary(raw)
     own = any(m.get("own_baseline") for m in meta["methods"])
@@ -151,6 +161,7 @@ def markdown(raw: dict) -> str:
              f"Prompts: {meta['subset']} of Spec-Bench ({len(meta['prompts'])}: ids "
              f"{', '.join(str(p['id']) for p in meta['prompts'])}), {meta['max_new_tokens']} new tokens, "
              f"{meta['date']}, git {meta['machine'].get('git_commit')}."
+             + _languages(meta["prompts"])
              + (f" Hidden from every worker's libraries: {meta['machine']['hidden_cpu_features']}."
                 if meta["machine"].get("hidden_cpu_features") else ""), "",
              "| method | prompts | TTFT ms | ms/token median | ms/token p90 | tokens/s | speedup vs target-only | "

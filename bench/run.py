@@ -229,7 +229,8 @@ def main(argv=None) -> None:
     ap.add_argument("--suite", default="default")
     ap.add_argument("--name", default=None, help="results folder suffix (default: the suite)")
     ap.add_argument("--bundle", default=str(harness.ROOT / "models" / "default"))
-    ap.add_argument("--prompts", default=None, help="first-N | stratified-N | ids-A,B (default per suite)")
+    ap.add_argument("--prompts", default=None,
+                    help="first-N | stratified-N | ids-A,B; de:SUBSET answers in German; A+B joins (default per suite)")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--provider", default="cpu", help="spectr-edge's execution provider: cpu, cuda, tensorrt")
@@ -273,7 +274,7 @@ def main(argv=None) -> None:
             "max_new_tokens": args.max_new_tokens, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": harness.machine_info() | ({"hidden_cpu_features": cpu_mask.HIDDEN} if args.hide_avx512 else {}),
             "workers": {}, "methods": methods, "groups": list(groups),
-            "prompts": [{k: p[k] for k in ("id", "category", "task")} for p in prompts]}
+            "prompts": [{k: p[k] for k in ("id", "category", "task", "language") if k in p} for p in prompts]}
     rows: list[dict] = []
     from tqdm import tqdm
     bar = tqdm(total=len(prompts) * len(methods), unit="gen", dynamic_ncols=True, file=sys.stderr)
@@ -286,7 +287,8 @@ def main(argv=None) -> None:
                 order = members if i % 2 == 0 else members[::-1]
                 for m in order:
                     bar.set_postfix_str(f"{group}: prompt {p['id']} {m['name']}"[:70])
-                    row = {"prompt_id": p["id"], "category": p["category"], "task": p["task"], "group": group,
+                    row = {"prompt_id": p["id"], "category": p["category"], "task": p["task"],
+                           "language": p.get("language", "en"), "group": group,
                            "prompt_tokens": len(p["prompt_ids"]), "method": m["name"], "tool": m["tool"],
                            "temperature": m["temperature"], "config": m["config"], "peak_rss": 0}
                     if m["worker"] in unavailable:

@@ -36,7 +36,11 @@ INT4_NOHEAD_BUNDLE = MODELS / "default-int4-nohead"  # the int4 twin without its
 ADAPTED = MODELS / "default-adapted"                # bench/draft_adaptation.py
 FULL_LOGITS = MODELS / "default-full-logits"        # bench/full_logits_twin.py
 INT4_FULL_LOGITS = MODELS / "default-int4-full-logits"
-PROMPTS = {"spectr-grid": "first-20", "peers": "stratified-1", "policies": "stratified-1", "trees": "stratified-2",
+# new prompts of draft_adaptation.py's domain (German answers; none of them recorded) and of plain traffic
+ADAPTATION_PROMPTS = ("de:ids-141,145,149,153,157,381,385,389,393,397,451,457,463,469,475"
+                      "+ids-101,161,241,481")
+PROMPTS = {"adaptation": ADAPTATION_PROMPTS, "spectr-grid": "first-20", "peers": "stratified-1",
+           "policies": "stratified-1", "trees": "stratified-2",
            "int4-peers": "stratified-8", "precisions": "stratified-2", "prefill": "stratified-2",
            "guess": "stratified-8"}           # the Spec-Bench prompt subset of each suite (default stratified-4)
 

@@ -81,6 +81,24 @@ def test_stratified_subset_takes_each_task_and_spreads_mt_bench():
         harness.select_prompts(questions, "random-3")
 
 
+def test_language_prefix_asks_for_the_answer_in_it_and_plus_joins_subsets():
+    if not harness.PROMPTS_FILE.is_file():
+        pytest.skip(f"Spec-Bench prompts not beside the checkout ({harness.PROMPTS_FILE})")
+    questions = harness.load_questions()
+    plain = {q["id"]: q["prompt"] for q in questions}
+    chosen = harness.select_prompts(questions, "de:ids-381,391+ids-91")
+    assert [(q["id"], q.get("language")) for q in chosen] == [(381, "de"), (391, "de"), (91, None)]
+    assert chosen[0]["prompt"] == plain[381] + "\n\nBitte antworte auf Deutsch."
+    assert chosen[2]["prompt"] == plain[91]
+    raw = _raw()
+    raw["meta"]["prompts"] = [{**p, "language": "de"} if p["id"] == 2 else p for p in raw["meta"]["prompts"]]
+    assert 'Prompts 2 end with "Bitte antworte auf Deutsch." (answers in de).' in report.markdown(raw)
+    with pytest.raises(SystemExit, match="names a question twice"):
+        harness.select_prompts(questions, "de:ids-381+ids-381")
+    with pytest.raises(SystemExit, match="unknown answer language 'xx'"):
+        harness.select_prompts(questions, "xx:ids-381")
+
+
 def _grouped_raw():
     """Three groups run one after the other; the anchor ('base') runs in each, and the machine is
     slower in groups b and c (base 300 and 250 ms instead of 200), which group pairing must cancel."""
