@@ -200,7 +200,7 @@ def _spec(directory: Path, entry: dict):
 
 
 def adapt_bundle(bundle, recording_dir, draft_source: str | None = None, minutes: float = 15.0, layers: int = 4,
-                 held_out: float = 0.2, lr: float = 5e-5, max_context: int = 384, max_steps: int | None = None,
+                 held_out: float = 0.2, lr: float = 1e-5, max_context: int = 384, max_steps: int | None = None,
                  seed: int = 0, threads: int | None = None, dry_run: bool = False,
                  log: Callable[[str], None] = print) -> dict:
     """Adapt the bundle's draft on the recorded traffic; install it when it accepts more on held-out

@@ -494,7 +494,7 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
               help="The draft's last decoder layers that are trained (the rest stays frozen).")
 @click.option("--held-out", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.2,
               show_default=True, help="Part of the recorded generations kept out of training to compare the drafts.")
-@click.option("--lr", type=click.FloatRange(min=0), default=5e-5, show_default=True, help="AdamW learning rate.")
+@click.option("--lr", type=click.FloatRange(min=0), default=1e-5, show_default=True, help="AdamW learning rate.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after this many sequence steps.")
 @click.option("--threads", type=int, default=None, help="Threads for training and measuring [default: all].")
 @click.option("--dry-run", is_flag=True, help="Train and measure, but leave the bundle unchanged.")

@@ -1,0 +1,96 @@
+"""`spectr-edge adapt`'s training settings side by side on one recording, before any export: each
+setting trains the draft's float32 PyTorch weights on adapt's own split of the recording (the same
+seeded split by prompt) and prints the validation loss per pass and the greedy acceptance by chain
+position on the held-out prompts, teacher-forced, before and after.
+
+    .venv/bin/python bench/adapt_settings.py --from models/default-adapted.recording 4,1e-5,1 24,5e-6,1
+
+Each setting is LAYERS,LR,PASSES (the last LAYERS decoder layers trained, AdamW at LR, PASSES passes,
+the weights of the best validation loss kept). Needs the export extra (torch, transformers); about 3 min a pass for 4 layers on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def split(records, seed: int = 0, held_out: float = 0.2, max_context: int = 384):
+    """adapt_bundle's split: held-out prompts, prompts to stop training by, prompts to train on."""
+    from export import adapt
+
+    groups: dict[tuple, list] = {}
+    for r in records:
+        groups.setdefault(tuple(r.prompt), []).append(r)
+    keys = sorted(groups)
+    random.Random(seed).shuffle(keys)
+    n_held = min(len(keys) - 1, max(1, round(held_out * len(keys))))
+    rest = keys[n_held:]
+    n_val = round(0.15 * len(rest)) if len(rest) >= 8 else 0
+    pick = lambda ks: adapt.sequences([r for k in ks for r in groups[k]], max_context)   # noqa: E731
+    return pick(keys[:n_held]), pick(rest[:n_val]), pick(rest[n_val:])
+
+
+def greedy_acceptance(model, seqs, chain: int = 6) -> list[float]:
+    import torch
+
+    match = []
+    with torch.no_grad():
+        for s in seqs:
+            logits = model(input_ids=torch.tensor([s.ids[:-1]])).logits[0, s.start - 1:].float().numpy()
+            match.append(logits.argmax(axis=1) == s.top_ids[:, 0])
+    out = []
+    for j in range(1, chain + 1):
+        runs = [np.convolve(m.astype(int), np.ones(j, dtype=int), "valid") == j for m in match if len(m) >= j]
+        out.append(float(np.mean(np.concatenate(runs))))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--from", dest="recording", required=True, help="the recording directory")
+    ap.add_argument("--bundle", default=str(ROOT / "models" / "default"), help="whose draft to train")
+    ap.add_argument("--hf", type=Path, default=Path("/tmp/spectr-edge-draft-hf"),
+                    help="where the draft's float32 weights are converted to (kept between runs)")
+    ap.add_argument("settings", nargs="+", help="LAYERS,LR,PASSES")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export import adapt, presets, sources
+    from spectr_edge import recording
+
+    torch.set_num_threads(2)
+    if not (args.hf / "config.json").exists():
+        manifest = json.loads((Path(args.bundle) / "spectr.json").read_text())
+        gguf = presets.fetch_gguf(adapt._draft_source(manifest, None), presets.cache_root(), print)
+        sources.convert_gguf(gguf, args.hf)
+    held, validation, fit = split(list(recording.read(args.recording)))
+    print(f"{len(fit)} generations to train on, {len(validation)} to stop by, {len(held)} held out")
+    for setting in args.settings:
+        layers, lr, passes = setting.split(",")
+        model = AutoModelForCausalLM.from_pretrained(str(args.hf), dtype=torch.float32).eval()
+        before = greedy_acceptance(model, held)
+        started = time.perf_counter()
+        # one step past the last pass: its validation runs, and the best validated weights are kept
+        training = adapt.train(model, fit, int(layers), 600.0, float(lr), int(passes) * len(fit) + 1, 0,
+                               lambda s: print(s, flush=True) if "pass" in s or "before" in s else None,
+                               validation, patience=int(passes))
+        after = greedy_acceptance(model, held)
+        show = lambda a: f"{' '.join(f'{x:.3f}' for x in a)} ({sum(a):.2f} per chain)"   # noqa: E731
+        print(f"{setting}: {time.perf_counter() - started:.0f} s, validation loss {training['validation_loss']}; "
+              f"held-out greedy acceptance {show(before)} -> {show(after)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
