@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -22,22 +21,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def split(records, seed: int = 0, held_out: float = 0.2, max_context: int = 384):
-    """adapt_bundle's split: held-out prompts, prompts to stop training by, prompts to train on."""
-    from export import adapt
-
-    groups: dict[tuple, list] = {}
-    for r in records:
-        groups.setdefault(tuple(r.prompt), []).append(r)
-    keys = sorted(groups)
-    random.Random(seed).shuffle(keys)
-    n_held = min(len(keys) - 1, max(1, round(held_out * len(keys))))
-    rest = keys[n_held:]
-    n_val = round(0.15 * len(rest)) if len(rest) >= 8 else 0
-    pick = lambda ks: adapt.sequences([r for k in ks for r in groups[k]], max_context)   # noqa: E731
-    return pick(keys[:n_held]), pick(rest[:n_val]), pick(rest[n_val:])
 
 
 def greedy_acceptance(model, seqs, chain: int = 6) -> list[float]:
@@ -75,7 +58,7 @@ def main() -> None:
         manifest = json.loads((Path(args.bundle) / "spectr.json").read_text())
         gguf = presets.fetch_gguf(adapt._draft_source(manifest, None), presets.cache_root(), print)
         sources.convert_gguf(gguf, args.hf)
-    held, validation, fit = split(list(recording.read(args.recording)))
+    held, validation, fit, _ = adapt.split(list(recording.read(args.recording)), 0.2, 0, 384)
     print(f"{len(fit)} generations to train on, {len(validation)} to stop by, {len(held)} held out")
     for setting in args.settings:
         layers, lr, passes = setting.split(",")

@@ -41,6 +41,24 @@ def weak_bundle(tmp_path_factory):
     return bundle, rec, tiny_models.weak_draft_source(bundle)
 
 
+def test_install_needs_a_gain_beyond_the_held_out_noise():
+    """adapt installs on the 95% one-sided lower bound of the paired held-out gain, not on its mean:
+    a gain on every sequence passes, none fails, and a small mean gain carried by one sequence of 24
+    fails (the bootstrap is seeded, so each outcome is fixed)."""
+    from spectr_edge_export.adapt import gain_lower_bound
+
+    def side(values):
+        return {"per_sequence": values, "weights": [50] * len(values)}
+
+    before = side([1.8] * 24)
+    assert gain_lower_bound(before, side([1.9] * 24)) > 0
+    assert gain_lower_bound(before, side([1.8] * 24)) == 0.0
+    one_lucky = side([1.8] * 23 + [3.0])              # mean gain +0.05, from one sequence
+    assert gain_lower_bound(before, one_lucky) <= 0
+    mixed = side([1.6, 2.1] * 12)                      # mean gain +0.05, half of the sequences worse
+    assert gain_lower_bound(before, mixed) < 0
+
+
 def files_digest(bundle: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(bundle.rglob("*")):
