@@ -17,25 +17,21 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def greedy_acceptance(model, seqs, chain: int = 6) -> list[float]:
+def greedy_acceptance(model, seqs) -> list[float]:
+    """adapt's greedy acceptance by chain position, for a PyTorch draft."""
     import torch
 
-    match = []
+    from export import adapt
+
     with torch.no_grad():
-        for s in seqs:
-            logits = model(input_ids=torch.tensor([s.ids[:-1]])).logits[0, s.start - 1:].float().numpy()
-            match.append(logits.argmax(axis=1) == s.top_ids[:, 0])
-    out = []
-    for j in range(1, chain + 1):
-        runs = [np.convolve(m.astype(int), np.ones(j, dtype=int), "valid") == j for m in match if len(m) >= j]
-        out.append(float(np.mean(np.concatenate(runs))))
-    return out
+        match = [model(input_ids=torch.tensor([s.ids[:-1]])).logits[0, s.start - 1:].float().numpy().argmax(axis=1)
+                 == s.top_ids[:, 0] for s in seqs]
+    return adapt.chain_acceptance(match)[0]
 
 
 def main() -> None:

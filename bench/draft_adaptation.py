@@ -37,7 +37,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", default=str(harness.ROOT / "models" / "default"))
     ap.add_argument("--out", default=str(harness.ROOT / "models" / "default-adapted"))
-    ap.add_argument("--train", default=TRAIN, help="the prompts recorded (first-N, stratified-N, ids-A,B; de:SUBSET in German)")
+    ap.add_argument("--train", default=TRAIN,
+                    help="the prompts recorded (first-N, stratified-N, ids-A,B; de:SUBSET in German)")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=96)
     ap.add_argument("--recording", default=None, help="recording directory [default: OUT.recording]")
     ap.add_argument("--minutes", type=float, default=12.0, help="adapt's training budget")

@@ -81,6 +81,19 @@ def split(records, held_out: float, seed: int, max_context: int):
 
 
 # -- acceptance of an ONNX draft, teacher-forced ------------------------------------------------------
+def chain_acceptance(match: list[np.ndarray], chain: int = CHAIN) -> tuple[list[float], list[float]]:
+    """From each sequence's greedy agreement per position: the acceptance at each chain position j
+    (all of positions t .. t + j - 1 agree), pooled over the sequences, and each sequence's own
+    tokens per chain (what the paired comparison resamples, its positions as weight)."""
+    runs = [[np.convolve(m.astype(int), np.ones(j, dtype=int), "valid") == j for j in range(1, min(chain, len(m)) + 1)]
+            for m in match]
+    per_position = []
+    for j in range(chain):
+        at_j = [r[j] for r in runs if len(r) > j]
+        per_position.append(float(np.mean(np.concatenate(at_j))) if at_j else 0.0)
+    return per_position, [sum(float(np.mean(x)) for x in r) for r in runs]
+
+
 def acceptance(lm, seqs: list[Sequence], vocab_size: int, chain: int = CHAIN) -> dict:
     """Greedy acceptance per chain position and the temperature-1 first-position acceptance of the
     ONNX draft `lm` (an OnnxLM) over held-out sequences."""
@@ -92,13 +105,7 @@ def acceptance(lm, seqs: list[Sequence], vocab_size: int, chain: int = CHAIN) ->
         q = np.exp(logits - logits.max(axis=1, keepdims=True))
         q /= q.sum(axis=1, keepdims=True)
         overlap.append(np.minimum(s.top_raw, np.take_along_axis(q, s.top_ids.astype(np.int64), axis=1)).sum(axis=1))
-    per_position = []
-    for j in range(1, chain + 1):       # all of positions t .. t + j - 1 agree
-        runs = [np.convolve(m.astype(int), np.ones(j, dtype=int), "valid") == j for m in match if len(m) >= j]
-        per_position.append(float(np.mean(np.concatenate(runs))) if runs else 0.0)
-    # each sequence's own tokens per chain (its positions as weight): what the paired comparison resamples
-    per_sequence = [sum(float(np.mean(np.convolve(m.astype(int), np.ones(j, dtype=int), "valid") == j))
-                        for j in range(1, min(chain, len(m)) + 1)) for m in match]
+    per_position, per_sequence = chain_acceptance(match, chain)
     return {"positions": int(sum(map(len, match))), "greedy_per_position": per_position,
             "greedy_tokens_per_chain": float(sum(per_position)),
             "first_position_t1": float(np.mean(np.concatenate(overlap))) if overlap else 0.0,
