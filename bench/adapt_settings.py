@@ -3,10 +3,12 @@ setting trains the draft's float32 PyTorch weights on adapt's own split of the r
 seeded split by prompt) and prints the validation loss per pass and the greedy acceptance by chain
 position on the held-out prompts, teacher-forced, before and after.
 
-    .venv/bin/python bench/adapt_settings.py --from models/default-adapted.recording 4,1e-5,1 24,5e-6,1
+    .venv/bin/python bench/adapt_settings.py --from models/default-adapted.recording 4,1e-5,1 4,1e-5,1,rounded
 
-Each setting is LAYERS,LR,PASSES (the last LAYERS decoder layers trained, AdamW at LR, PASSES passes,
-the weights of the best validation loss kept). Needs the export extra (torch, transformers); about 3 min a pass for 4 layers on 2 cores.
+Each setting is LAYERS,LR,PASSES[,rounded] (the last LAYERS decoder layers trained, AdamW at LR, PASSES
+passes, the weights of the best validation loss kept; `rounded`: training sees the weights rounded as the
+bundle's int4 or int8 draft holds them, adapt's default). Acceptance is printed with float32 weights and
+with the weights so rounded (what the re-exported draft computes, up to its int8 activations). Needs the export extra (torch, transformers); about 3 min a pass for 4 layers on 2 cores.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def greedy_acceptance(model, seqs) -> list[float]:
-    """adapt's greedy acceptance by chain position, for a PyTorch draft."""
+def greedy_acceptance(model, seqs, rounding=None) -> list[float]:
+    """adapt's greedy acceptance by chain position, for a PyTorch draft (its weights rounded as the
+    bundle's quantized draft holds them, with rounding)."""
+    import contextlib
+
     import torch
 
     from export import adapt
 
-    with torch.no_grad():
+    with torch.no_grad(), adapt.quantized_weights(model, rounding) if rounding else contextlib.nullcontext():
         match = [model(input_ids=torch.tensor([s.ids[:-1]])).logits[0, s.start - 1:].float().numpy().argmax(axis=1)
                  == s.top_ids[:, 0] for s in seqs]
     return adapt.chain_acceptance(match)[0]
@@ -56,19 +61,30 @@ def main() -> None:
         sources.convert_gguf(gguf, args.hf)
     held, validation, fit, _ = adapt.split(list(recording.read(args.recording)), 0.2, 0, 384)
     print(f"{len(fit)} generations to train on, {len(validation)} to stop by, {len(held)} held out")
+    rounding = adapt.weight_rounding(json.loads((Path(args.bundle) / "spectr.json").read_text())["models"]["draft"])
+    show = lambda a: f"{' '.join(f'{x:.3f}' for x in a)} ({sum(a):.2f} per chain)"   # noqa: E731
     for setting in args.settings:
-        layers, lr, passes = setting.split(",")
+        layers, lr, passes, *mode = setting.split(",")
+        aware = mode == ["rounded"]
+        if mode and not aware:
+            raise SystemExit(f"{setting}: the fourth field can only be 'rounded'")
+        if aware and rounding is None:
+            raise SystemExit(f"{setting}: the bundle's draft is not int4 or int8, there is nothing to round")
         model = AutoModelForCausalLM.from_pretrained(str(args.hf), dtype=torch.float32).eval()
         before = greedy_acceptance(model, held)
+        before_q = greedy_acceptance(model, held, rounding) if rounding else None
         started = time.perf_counter()
         # one step past the last pass: its validation runs, and the best validated weights are kept
         training = adapt.train(model, fit, int(layers), 600.0, float(lr), int(passes) * len(fit) + 1, 0,
                                lambda s: print(s, flush=True) if "pass" in s or "before" in s else None,
-                               validation, patience=int(passes))
+                               validation, patience=int(passes), rounding=rounding if aware else None)
         after = greedy_acceptance(model, held)
-        show = lambda a: f"{' '.join(f'{x:.3f}' for x in a)} ({sum(a):.2f} per chain)"   # noqa: E731
         print(f"{setting}: {time.perf_counter() - started:.0f} s, validation loss {training['validation_loss']}; "
-              f"held-out greedy acceptance {show(before)} -> {show(after)}", flush=True)
+              f"held-out greedy acceptance, float32 weights: {show(before)} -> {show(after)}", flush=True)
+        if rounding:
+            after_q = greedy_acceptance(model, held, rounding)
+            print(f"{setting}: weights rounded to {rounding[0]} bits in blocks of {rounding[1]}: "
+                  f"{show(before_q)} -> {show(after_q)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """How fast could speculation get on this machine? Upper bounds for chains and draft trees
 (docs/PERFORMANCE.md uses them to say what limits the speedup on a small CPU).
 
-Two views, both seconds to run:
+Three views, all seconds to run:
 
 1. `--raw bench/results/<run>/raw.json` (a `--suite trees` run): per method, the per-prompt
    median speedup over target-only measured, the same with the draft model's time removed
@@ -15,6 +15,10 @@ Two views, both seconds to run:
 
     .venv/bin/python bench/speedup_bound.py --bundle models/default \
         --raw bench/results/2026-12-02-issue5-zen3/raw.json --flat
+
+3. `--bundle DIR --guess-chain` (a quantized target with a guess head, its cost curve measured by
+   `spectr-edge tune --no-choose`): tokens per unit of target time if the head guessed m tokens
+   ahead, and the first-guess agreement m guesses would need to beat one.
 """
 
 from __future__ import annotations
@@ -117,18 +121,55 @@ def from_bundle(bundle: Path, flat: bool = False) -> None:
               f"{speed / best_chain:.2f} |")
 
 
+def guess_chains(bundle: Path) -> None:
+    """Tokens per unit of target time if the target's guess head guessed m tokens ahead instead of
+    one (an EAGLE-style head fed its own guesses), from the bundle's measured cost curve (padded as its
+    calls are) and its head's held-out agreement a1; later guesses agree with probability `later`
+    given the earlier ones. Also the a1 a chain of m would need to match one guess."""
+    manifest = json.loads((bundle / "spectr.json").read_text())
+    tuning, head = manifest.get("tuning") or {}, manifest.get("guess_head")
+    if "target_ms" not in tuning:
+        sys.exit(f"error: {bundle} holds no measured cost curve; run spectr-edge tune --no-choose --bundle {bundle}")
+    if not head:
+        sys.exit(f"error: {bundle} has no guess head; spectr-edge export --add-guess-head --out {bundle}")
+    target = manifest["models"]["target"]
+    cost = CostCurve(tuning["target_ms"].items()).floored(int(target.get("min_call_tokens", 1)),
+                                                         int(target.get("call_token_multiple", 1)))
+    a1 = float(head["heldout_agreement"])
+    print(f"{bundle}: calls as the runtime pads them, decode = 1: "
+          + ", ".join(f"{n} tokens {cost(n):.2f}" for n in range(1, 6))
+          + f"; guess head's held-out agreement a1 = {a1:.3f}")
+    print("| later guesses agree | guesses m | tokens per call | tokens per unit of time | vs one guess | "
+          "a1 that m guesses need to match one |")
+    print("|---|---|---|---|---|---|")
+    one = (1 + a1) / cost(2)
+    for later in (0.5, 0.7, 0.9, 1.0):
+        for m in range(1, 5):
+            chain = sum(later ** i for i in range(m))            # E = 1 + a1 (1 + later + ... + later^(m-1))
+            tokens = 1 + a1 * chain
+            below = chain * cost(2) - cost(m + 1)
+            need = (cost(m + 1) - cost(2)) / below if below > 0 else float("inf")
+            print(f"| {later:.1f} | {m} | {tokens:.2f} | {tokens / cost(m + 1):.2f} | {tokens / cost(m + 1) / one:.2f} | "
+                  f"{'-' if m == 1 else ('never' if need > 1 else f'{need:.2f}')} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, help="a bundle with a measured cost curve (spectr-edge tune)")
     ap.add_argument("--flat", action="store_true",
                     help="also predict with a flat cost curve and free draft rows (how a GPU behaves)")
     ap.add_argument("--raw", type=Path, help="raw.json of a bench/run.py --suite trees run")
+    ap.add_argument("--guess-chain", action="store_true",
+                    help="with --bundle (a quantized target with a guess head): what guessing several tokens "
+                         "ahead could yield")
     args = ap.parse_args()
     if not args.bundle and not args.raw:
         ap.error("give --bundle DIR and/or --raw RAW_JSON")
     if args.raw:
         from_raw(args.raw)
-    if args.bundle:
+    if args.bundle and args.guess_chain:
+        guess_chains(args.bundle)
+    elif args.bundle:
         from_bundle(args.bundle)
         if args.flat:
             from_bundle(args.bundle, flat=True)

@@ -10,7 +10,9 @@ decoding's distillation, run on what `--record DIR` kept (spectr_edge/recording.
    frozen) to minimize the cross-entropy from the target's recorded top-k distribution (renormalized
    over its k tokens) at every recorded position, for at most `minutes`; the generations of 15% of
    the training prompts are set aside, and training keeps the weights of their best loss and stops when it has
-   not improved for two passes.
+   not improved for two passes. An int4 or int8 draft is trained through its weights rounded as the
+   re-export will round them (quantized_weights: the loss is the quantized draft's, the gradient goes
+   straight through to the float weights), so that the gain survives the quantization.
 3. The trained draft goes through the export path again: ONNX export and parity check, the bundle
    draft's quantization (kind and block size), tree mask and logits input as the old graph had.
 4. The old and the new ONNX drafts are scored on the held-out records, teacher-forced on the recorded
@@ -31,6 +33,7 @@ import os
 import random
 import shutil
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -131,6 +134,93 @@ def describe(a: dict) -> str:
             f"{len(a['greedy_per_position'])}-token chain); temperature 1, first position {a['first_position_t1']:.2f}")
 
 
+# -- the draft's weight quantization, seen in training -----------------------------------------------
+def weight_rounding(entry: dict) -> tuple[int, int] | None:
+    """(bits, weights per block) of the MatMulNBits weights the re-exported draft will have, from its
+    manifest entry (export/pipeline.py quantizes it as the old draft was, with zero points); None for a
+    float32 or w8a8 draft."""
+    from .quantize import INT8_BLOCK_SIZE
+
+    quant = entry.get("quant", "none")
+    if quant == "int4":
+        return 4, int(entry.get("quant_block_size", 32))
+    if quant == "int8":
+        return 8, INT8_BLOCK_SIZE
+    return None
+
+
+def round_weights(w, bits: int, block: int):
+    """A torch Linear weight # [out, in] as MatMulNBits holds it (zero points): per block of `block`
+    inputs of one output, the range [min(0, lowest), max(0, highest)] in 2**bits - 1 equal steps, the
+    zero point rounded onto the grid, each weight to the nearest step (halves away from zero, as ONNX
+    Runtime's quantizer rounds). Returns the dequantized weights; a short last block is padded with
+    zeros, which leave the range as it is."""
+    import torch
+
+    out, k = w.shape
+    pad = -k % block
+    b = torch.nn.functional.pad(w, (0, pad)).reshape(out, -1, block)
+    top = 2 ** bits - 1
+    lo, hi = b.amin(-1, keepdim=True).clamp(max=0), b.amax(-1, keepdim=True).clamp(min=0)
+    scale = (hi - lo) / top
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    away = lambda x: torch.sign(x) * torch.floor(x.abs() + 0.5)      # noqa: E731  C's roundf: halves away from 0
+    zero = away(-lo / scale).clamp(0, top)
+    q = torch.clamp(away(b * (1.0 / scale) + zero), 0, top)
+    return ((q - zero) * scale).reshape(out, -1)[:, :k]
+
+
+@contextmanager
+def quantized_weights(model, rounding: tuple[int, int], trained_layers: int = 0):
+    """Within it, every matrix product the export quantizes (the decoder layers' projections and the LM
+    head) computes with its weights rounded as the re-quantized draft will hold them, so the loss is the
+    quantized draft's. The last `trained_layers` layers' weights are rounded at every forward with a
+    straight-through gradient (training moves their float weights); the others are rounded once. On
+    exit every float weight is back; the export then rounds the trained ones exactly as training saw."""
+    import torch
+    from torch.nn.utils import parametrize
+
+    bits, block = rounding
+
+    class Rounded(torch.nn.Module):
+        def forward(self, w):
+            return w + (round_weights(w, bits, block) - w).detach()
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = decoder.layers
+    live = [m for layer in layers[len(layers) - trained_layers:] for m in layer.modules()
+            if isinstance(m, torch.nn.Linear)] if trained_layers else []
+    fixed = [m for layer in layers[:len(layers) - trained_layers] for m in layer.modules()
+             if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    saved = []
+    try:
+        with torch.no_grad():
+            for m in fixed + ([head] if head is not None and not tied else []):
+                saved.append((m.weight, m.weight.detach().clone()))
+                m.weight.copy_(round_weights(m.weight, bits, block))
+            if tied:             # the embedding table itself stays float32 (a Gather, not quantized)
+                rounded = torch.nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
+                rounded.weight.copy_(round_weights(head.weight, bits, block))
+                if head.bias is not None:
+                    rounded.bias.copy_(head.bias)
+                rounded.requires_grad_(False)
+                model.set_output_embeddings(rounded)
+        for m in live:
+            parametrize.register_parametrization(m, "weight", Rounded())
+        yield model
+    finally:
+        for m in live:
+            if parametrize.is_parametrized(m, "weight"):
+                parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
+        with torch.no_grad():
+            for weight, value in saved:
+                weight.copy_(value)
+        if tied:
+            model.set_output_embeddings(head)
+
+
 # -- training ---------------------------------------------------------------------------------------
 def _loss(model, s: Sequence):
     """Cross-entropy from the target's renormalized top-k to the model, over s's recorded positions."""
@@ -143,11 +233,20 @@ def _loss(model, s: Sequence):
 
 
 def train(model, seqs: list[Sequence], layers: int, minutes: float, lr: float, max_steps: int | None,
-          seed: int, log: Callable[[str], None], validation: list[Sequence] = (), patience: int = 2) -> dict:
+          seed: int, log: Callable[[str], None], validation: list[Sequence] = (), patience: int = 2,
+          rounding: tuple[int, int] | None = None) -> dict:
     """Train the last `layers` decoder layers and the final norm of a transformers causal LM on the
     target's recorded distributions; stops after `minutes` or `max_steps` sequence steps, or when the
     loss on `validation` has not improved for `patience` passes, and keeps the weights of its best
-    validation loss."""
+    validation loss. rounding: (bits, block) of the draft's quantized weights: training and validation
+    see the weights so rounded (quantized_weights), so what is learnt survives the re-quantization."""
+    with quantized_weights(model, rounding, layers) if rounding else nullcontext():
+        report = _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, patience)
+    report["rounded_weights"] = {"bits": rounding[0], "block": rounding[1]} if rounding else None
+    return report
+
+
+def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, patience) -> dict:
     import torch
 
     torch.manual_seed(seed)
@@ -242,7 +341,7 @@ def _spec(directory: Path, entry: dict):
 
 def adapt_bundle(bundle, recording_dir, draft_source: str | None = None, minutes: float = 15.0, layers: int = 4,
                  held_out: float = 0.2, lr: float = 1e-5, max_context: int = 384, max_steps: int | None = None,
-                 seed: int = 0, threads: int | None = None, dry_run: bool = False,
+                 seed: int = 0, threads: int | None = None, dry_run: bool = False, quant_aware: bool = True,
                  log: Callable[[str], None] = print) -> dict:
     """Adapt the bundle's draft on the recorded traffic; install it when it accepts more on held-out
     records. Returns a report (both acceptances, training, installed or not)."""
@@ -276,6 +375,7 @@ def adapt_bundle(bundle, recording_dir, draft_source: str | None = None, minutes
         f"{len(validation)} to stop training by, {len(held)} held out to compare the drafts")
 
     old_entry = manifest["models"]["draft"]
+    rounding = weight_rounding(old_entry) if quant_aware else None
     # measure, load, train, export, parity, [quantize], [tree mask], measure
     progress = Progress(log, 6 + (old_entry.get("quant", "none") != "none") + bool(old_entry.get("tree_mask")))
     work = bundle.parent / f".{bundle.name}.adapt-{os.getpid()}"
@@ -297,9 +397,10 @@ def adapt_bundle(bundle, recording_dir, draft_source: str | None = None, minutes
             if threads:
                 torch.set_num_threads(threads)
             model = AutoModelForCausalLM.from_pretrained(str(src.dir), dtype=torch.float32)
-        with progress.step(f"training the draft's last {layers} layers on the target's distributions "
+        seen = f", seeing its weights rounded to {rounding[0]} bits as the re-export will" if rounding else ""
+        with progress.step(f"training the draft's last {layers} layers on the target's distributions{seen} "
                            f"(at most {minutes:g} min)"):
-            training = train(model, fit, layers, minutes, lr, max_steps, seed, log, validation)
+            training = train(model, fit, layers, minutes, lr, max_steps, seed, log, validation, rounding=rounding)
             log(f"      {training['steps']} steps, {training['passes']} passes, training loss {training['first_loss']:.3f} "
                 f"-> {training['last_loss']:.3f}; stopped: {training['stopped']}")
         adapted_dir = work / "adapted-hf"

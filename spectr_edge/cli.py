@@ -497,8 +497,12 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
 @click.option("--lr", type=click.FloatRange(min=0), default=1e-5, show_default=True, help="AdamW learning rate.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after this many sequence steps.")
 @click.option("--threads", type=int, default=None, help="Threads for training and measuring [default: all].")
+@click.option("--quant-aware/--float-training", default=True, show_default=True,
+              help="Train an int4 or int8 draft seeing its weights rounded as the re-export will round them "
+                   "(straight-through gradients), so that what it learns survives the quantization.")
 @click.option("--dry-run", is_flag=True, help="Train and measure, but leave the bundle unchanged.")
-def adapt(bundle, recording_dir, draft_source, minutes, layers, held_out, lr, max_steps, threads, dry_run):
+def adapt(bundle, recording_dir, draft_source, minutes, layers, held_out, lr, max_steps, threads, quant_aware,
+          dry_run):
     """Adapt the bundle's draft to recorded traffic (the target's recorded distributions as teacher);
     installed only when it accepts more on held-out records."""
     _require_export_extra(["torch", "transformers", "optimum.exporters.onnx", "onnx", "onnx_ir", "gguf"])
@@ -507,7 +511,8 @@ def adapt(bundle, recording_dir, draft_source, minutes, layers, held_out, lr, ma
     path = read_bundle(bundle).path                # a clear error for a missing or corrupt bundle
     from spectr_edge_export.adapt import adapt_bundle
     adapt_bundle(path, recording_dir, draft_source=draft_source, minutes=minutes, layers=layers, held_out=held_out,
-                 lr=lr, max_steps=max_steps, threads=threads, dry_run=dry_run, log=click.echo)
+                 lr=lr, max_steps=max_steps, threads=threads, dry_run=dry_run, quant_aware=quant_aware,
+                 log=click.echo)
 
 
 def _require_export_extra(modules: list[str]) -> None:

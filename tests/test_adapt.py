@@ -59,6 +59,84 @@ def test_install_needs_a_gain_beyond_the_held_out_noise():
     assert gain_lower_bound(before, mixed) < 0
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_training_rounds_weights_exactly_as_the_quantizer_will(bits):
+    """adapt trains against the draft's weights as its re-export will hold them: round_weights gives
+    exactly the weights ONNX Runtime's MatMulNBits quantizer stores (zero points, halves rounded away
+    from zero, a last block shorter than the others), read back through a real session at float32 compute from an identity input."""
+    import onnxruntime as ort
+    import torch
+    from onnx import helper, numpy_helper
+
+    from spectr_edge_export.adapt import round_weights
+    from spectr_edge_export.quantize import _import_nbits, _quiet_root_logger
+
+    k, n, block = 200, 24, 32                                   # 6 full blocks and one of 8 per column
+    # multiples of 1/1024: many weights fall exactly halfway between two steps, where the rounding rule shows
+    w = (np.random.default_rng(bits).integers(-300, 300, (k, n)) / 1024).astype(np.float32)
+    w[:32, 0] = np.abs(w[:32, 0])                               # a block without negatives
+    w[32:64, 1] = -np.abs(w[32:64, 1])                          # one without positives
+    w[:, 2] = 0.0                                               # a column of zeros
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", 1, [None, k])],
+                              [helper.make_tensor_value_info("y", 1, [None, n])], [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    q = _import_nbits()(model, bits=bits, block_size=block, is_symmetric=False, accuracy_level=0)
+    with _quiet_root_logger():
+        q.process()
+    assert any(node.op_type == "MatMulNBits" for node in q.model.model.graph.node)
+    sess = ort.InferenceSession(q.model.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    stored = sess.run(None, {"x": np.eye(k, dtype=np.float32)})[0]            # [k, n]
+    mine = round_weights(torch.from_numpy(w.T.copy()), bits, block).numpy().T
+    assert np.abs(stored - w).max() > 1e-4                      # the rounding is real ...
+    np.testing.assert_allclose(mine, stored, rtol=0, atol=1e-7)  # ... and the same
+
+
+def test_quant_aware_training_moves_float_weights_and_leaves_the_rest_as_it_was():
+    """Inside quantized_weights a tiny Qwen2 computes with every projection and its tied LM head rounded
+    (its logits equal those of a copy whose weights were rounded by hand); the trained layer's float
+    weights get the straight-through gradient; on exit every weight and the tie are as before."""
+    import copy
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from spectr_edge_export.adapt import quantized_weights, round_weights
+
+    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      use_sliding_window=False)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    by_hand = copy.deepcopy(model)
+    by_hand.lm_head = torch.nn.Linear(64, 96, bias=False)
+    with torch.no_grad():
+        for name, m in list(by_hand.model.layers.named_modules()):
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(round_weights(m.weight, 4, 32))
+        by_hand.lm_head.weight.copy_(round_weights(model.lm_head.weight, 4, 32))
+    ids = torch.tensor([[5, 17, 3, 44, 9, 60]])
+    plain = model(input_ids=ids).logits
+    with quantized_weights(model, (4, 32), trained_layers=1):
+        for p in model.parameters():
+            p.requires_grad_(False)
+        proj = model.model.layers[2].mlp.down_proj
+        master = proj.parametrizations.weight.original
+        master.requires_grad_(True)
+        rounded = model(input_ids=ids).logits
+        torch.testing.assert_close(rounded, by_hand(input_ids=ids).logits, rtol=0, atol=1e-5)
+        assert (rounded - plain).abs().max() > 1e-3
+        rounded.square().sum().backward()
+        assert master.grad is not None and master.grad.abs().sum() > 0
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    after = model.state_dict()
+    assert set(after) == set(original)
+    for name, value in original.items():
+        assert torch.equal(after[name], value), name
+
+
 def files_digest(bundle: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(bundle.rglob("*")):
@@ -123,6 +201,32 @@ def test_adapting_raises_held_out_acceptance_and_output_stays_the_targets(weak_b
                                             draft_len=2, seed=s).token_ids) for s in range(draws))
     stat, df = chi_square(counts, law, draws)
     assert stat <= chi2_quantile(df), (stat, df)
+
+
+def test_an_int4_draft_is_trained_against_its_rounded_weights_and_installed_int4(weak_bundle, tmp_path_factory):
+    """The same noisy draft quantized to int4: adapt trains it seeing its weights rounded as the
+    re-export rounds them, writes the float weights back, re-quantizes them to int4 and installs a draft
+    that accepts more on held-out records (the bound: first-position greedy acceptance up by 0.1)."""
+    import tiny_models
+    from conftest import _cached_bundle
+    from spectr_edge_export.adapt import adapt_bundle
+
+    _, rec, _ = weak_bundle
+    src = _cached_bundle("tiny-qwen-weak-int4-draft", tiny_models.build_weak_int4_draft_bundle, tmp_path_factory)
+    assert json.loads((src / "spectr.json").read_text())["models"]["draft"]["quant"] == "int4"
+    bundle = copy_bundle(src, tmp_path_factory.mktemp("int4") / "b")
+    lines = []
+    report = adapt_bundle(bundle, rec, draft_source=str(tiny_models.weak_draft_source(src)), layers=2, lr=3e-3,
+                          max_steps=900, threads=1, log=lines.append)
+    assert any("rounded to 4 bits" in s for s in lines), lines
+    before, after = report["before"], report["after"]
+    assert report["installed"] and after["greedy_per_position"][0] >= before["greedy_per_position"][0] + 0.1, report
+    draft = json.loads((bundle / "spectr.json").read_text())["models"]["draft"]
+    assert draft["quant"] == "int4" and draft["quant_block_size"] == 32
+    gen = spectr_edge.load(bundle, provider="cpu", threads=1)
+    prompt = [5, 17, 3, 44, 9, 60, 7, 12]
+    assert (gen.generate_ids(prompt, max_new_tokens=16, draft_len=4).token_ids
+            == gen.generate_ids(prompt, max_new_tokens=16, drafter="none").token_ids)
 
 
 def test_a_draft_that_learns_nothing_is_refused_and_the_bundle_is_unchanged(weak_bundle, tmp_path):

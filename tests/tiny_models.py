@@ -239,9 +239,10 @@ def weak_draft_source(bundle: Path) -> Path:
     return Path(bundle).with_name(Path(bundle).name + "-draft-source")
 
 
-def build_weak_draft_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
+def build_weak_draft_bundle(out: Path, work: Path, log=lambda s: None, **quant) -> Path:
     """tiny-qwen's float32 target with a 2-layer draft whose weights carry 40% noise: it agrees with
-    the target on under a fifth of the tokens, so adapting it has something to learn."""
+    the target on under a fifth of the tokens, so adapting it has something to learn. quant: export
+    options for the draft (draft_quant, int4_block_size)."""
     from spectr_edge_export import export_bundle
 
     tok = make_tokenizer(work / "tokenizer")
@@ -250,7 +251,13 @@ def build_weak_draft_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
     shutil.rmtree(source, ignore_errors=True)
     draft = make_draft(target, source, num_layers=2, noise=0.4, seed=11)
     return export_bundle(out, target=str(target), draft=str(draft), lookup_conversation_tokens=0,
-                         guess_head=False, log=log)
+                         guess_head=False, log=log, **quant)
+
+
+def build_weak_int4_draft_bundle(out: Path, work: Path, log=lambda s: None) -> Path:
+    """build_weak_draft_bundle with the draft quantized to int4 (MatMulNBits with zero points) as the
+    default bundle's is: what adapt's quantization-aware training is for."""
+    return build_weak_draft_bundle(out, work, log, draft_quant="int4", int4_block_size=32)
 
 
 def source_key(*extra: str) -> str:
