@@ -14,7 +14,7 @@ Three views, all seconds to run:
    drafting as measured and with drafting free.
 
     .venv/bin/python bench/speedup_bound.py --bundle models/default \
-        --raw bench/results/2026-12-02-issue5-zen3/raw.json --flat
+        --raw bench/results/2026-12-02-trees-zen3/raw.json --flat
 
 3. `--bundle DIR --guess-chain` (a quantized target with a guess head, its cost curve measured by
    `spectr-edge tune --no-choose`): tokens per unit of target time if the head guessed m tokens
