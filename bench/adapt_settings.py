@@ -1,9 +1,11 @@
 """`spectr-edge adapt`'s training settings side by side on one recording, before any export: each
 setting trains the draft's float32 PyTorch weights on adapt's own split of the recording (the same
 seeded split by prompt) and prints the validation loss per pass and the greedy acceptance by chain
-position on the held-out prompts, teacher-forced, before and after.
+position, teacher-forced, before and after: on the generations that stop training (`--on validation`,
+the default) or on adapt's held-out ones (`--on held-out`). Choose settings on the first: the held-out
+generations decide adapt's install, and a setting picked for them would make that decision optimistic.
 
-    .venv/bin/python bench/adapt_settings.py --from models/default-adapted.recording 4,1e-5,1 4,1e-5,1,rounded
+    .venv/bin/python bench/adapt_settings.py --from models/default-adapted.recording 4,1e-5,2 4,1e-5,2,rounded
 
 Each setting is LAYERS,LR,PASSES[,rounded] (the last LAYERS decoder layers trained, AdamW at LR, PASSES
 passes, the weights of the best validation loss kept; `rounded`: training sees the weights rounded as the
@@ -45,7 +47,9 @@ def main() -> None:
     ap.add_argument("--bundle", default=str(ROOT / "models" / "default"), help="whose draft to train")
     ap.add_argument("--hf", type=Path, default=Path("/tmp/spectr-edge-draft-hf"),
                     help="where the draft's float32 weights are converted to (kept between runs)")
-    ap.add_argument("settings", nargs="+", help="LAYERS,LR,PASSES")
+    ap.add_argument("--on", choices=("validation", "held-out"), default="validation",
+                    help="the generations acceptance is measured on [default: validation]")
+    ap.add_argument("settings", nargs="+", help="LAYERS,LR,PASSES[,rounded]")
     args = ap.parse_args()
 
     import torch
@@ -60,7 +64,9 @@ def main() -> None:
         gguf = presets.fetch_gguf(adapt._draft_source(manifest, None), presets.cache_root(), print)
         sources.convert_gguf(gguf, args.hf)
     held, validation, fit, _ = adapt.split(list(recording.read(args.recording)), 0.2, 0, 384)
-    print(f"{len(fit)} generations to train on, {len(validation)} to stop by, {len(held)} held out")
+    print(f"{len(fit)} generations to train on, {len(validation)} to stop by, {len(held)} held out; "
+          f"acceptance measured on the {args.on} ones")
+    measured = held if args.on == "held-out" else validation
     rounding = adapt.weight_rounding(json.loads((Path(args.bundle) / "spectr.json").read_text())["models"]["draft"])
     show = lambda a: f"{' '.join(f'{x:.3f}' for x in a)} ({sum(a):.2f} per chain)"   # noqa: E731
     for setting in args.settings:
@@ -71,18 +77,18 @@ def main() -> None:
         if aware and rounding is None:
             raise SystemExit(f"{setting}: the bundle's draft is not int4 or int8, there is nothing to round")
         model = AutoModelForCausalLM.from_pretrained(str(args.hf), dtype=torch.float32).eval()
-        before = greedy_acceptance(model, held)
-        before_q = greedy_acceptance(model, held, rounding) if rounding else None
+        before = greedy_acceptance(model, measured)
+        before_q = greedy_acceptance(model, measured, rounding) if rounding else None
         started = time.perf_counter()
         # one step past the last pass: its validation runs, and the best validated weights are kept
         training = adapt.train(model, fit, int(layers), 600.0, float(lr), int(passes) * len(fit) + 1, 0,
                                lambda s: print(s, flush=True) if "pass" in s or "before" in s else None,
                                validation, patience=int(passes), rounding=rounding if aware else None)
-        after = greedy_acceptance(model, held)
+        after = greedy_acceptance(model, measured)
         print(f"{setting}: {time.perf_counter() - started:.0f} s, validation loss {training['validation_loss']}; "
-              f"held-out greedy acceptance, float32 weights: {show(before)} -> {show(after)}", flush=True)
+              f"{args.on} greedy acceptance, float32 weights: {show(before)} -> {show(after)}", flush=True)
         if rounding:
-            after_q = greedy_acceptance(model, held, rounding)
+            after_q = greedy_acceptance(model, measured, rounding)
             print(f"{setting}: weights rounded to {rounding[0]} bits in blocks of {rounding[1]}: "
                   f"{show(before_q)} -> {show(after_q)}", flush=True)
 
