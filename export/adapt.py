@@ -135,6 +135,11 @@ def describe(a: dict) -> str:
 
 
 # -- the draft's weight quantization, seen in training -----------------------------------------------
+def _int4_block(entry: dict) -> int:
+    """Weights per int4 block of a draft's manifest entry (bundles written before the field: 32)."""
+    return int(entry.get("quant_block_size", 32))
+
+
 def weight_rounding(entry: dict) -> tuple[int, int] | None:
     """(bits, weights per block) of the MatMulNBits weights the re-exported draft will have, from its
     manifest entry (export/pipeline.py quantizes it as the old draft was, with zero points); None for a
@@ -143,7 +148,7 @@ def weight_rounding(entry: dict) -> tuple[int, int] | None:
 
     quant = entry.get("quant", "none")
     if quant == "int4":
-        return 4, int(entry.get("quant_block_size", 32))
+        return 4, _int4_block(entry)
     if quant == "int8":
         return 8, INT8_BLOCK_SIZE
     return None
@@ -421,7 +426,7 @@ def adapt_bundle(bundle, recording_dir, draft_source: str | None = None, minutes
         quant = old_entry.get("quant", "none")
         graph = _fp32_graph("draft", adapted, work, progress, ids)
         entry = _place("draft", graph, quant, stage, progress, ids, tok, adapted.description, move=True,
-                       block_size=int(old_entry.get("quant_block_size", 32)))
+                       block_size=_int4_block(old_entry))
         if old_entry.get("tree_mask"):
             entry = _add_tree_mask("draft", entry, stage, progress, ids, fuse=old_entry.get("attention") == "gqa")
         if old_entry.get("inputs", {}).get("logits_keep"):
