@@ -9,8 +9,8 @@ decoding's distillation, run on what `--record DIR` kept (spectr_edge/recording.
    its last `layers` decoder layers and final norm are trained (the embeddings and LM head stay
    frozen) to minimize the cross-entropy from the target's recorded top-k distribution (renormalized
    over its k tokens) at every recorded position, for at most `minutes`; the generations of 15% of
-   the training prompts are set aside, and training keeps the weights of their best loss and stops when it has
-   not improved for two passes. An int4 or int8 draft is trained through its weights rounded as the
+   the training prompts are set aside, and training keeps the weights of their best loss (after each
+   pass, and after the pass the budget cuts short) and stops when it has not improved for two passes. An int4 or int8 draft is trained through its weights rounded as the
    re-export will round them (quantized_weights: the loss is the quantized draft's, the gradient goes
    straight through to the float weights), so that the gain survives the quantization.
 3. The trained draft goes through the export path again: ONNX export and parity check, the bundle
@@ -243,8 +243,10 @@ def train(model, seqs: list[Sequence], layers: int, minutes: float, lr: float, m
     """Train the last `layers` decoder layers and the final norm of a transformers causal LM on the
     target's recorded distributions; stops after `minutes` or `max_steps` sequence steps, or when the
     loss on `validation` has not improved for `patience` passes, and keeps the weights of its best
-    validation loss. rounding: (bits, block) of the draft's quantized weights: training and validation
-    see the weights so rounded (quantized_weights), so what is learnt survives the re-quantization."""
+    validation loss (measured after every pass, and once more when the budget ends a pass early: the
+    time budget keeps back what one validation takes, so the last partial pass is not lost).
+    rounding: (bits, block) of the draft's quantized weights: training and validation see the weights
+    so rounded (quantized_weights), so what is learnt survives the re-quantization."""
     with quantized_weights(model, rounding, layers) if rounding else nullcontext():
         report = _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, patience)
     report["rounded_weights"] = {"bits": rounding[0], "block": rounding[1]} if rounding else None
@@ -288,9 +290,23 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
                 "last_loss": round(float(np.mean(losses[-20:])), 4), "layers": layers, "lr": lr, "passes": passes,
                 "validation_loss": None if best_state is None else round(best, 4), "stopped": reason}
 
+    def check(label: str) -> bool:
+        """Validate the weights as they are, keep them if best; whether training should stop."""
+        nonlocal best, best_state, stale, checked_at
+        value, checked_at = validate(), steps
+        if value < best:
+            best, stale = value, 0
+            best_state = [p.detach().clone() for p in trained]
+        else:
+            stale += 1
+        log(f"      {label}: validation loss {value:.3f} (best {best:.3f})")
+        return stale >= patience
+
+    checked_at = 0
     if validation:
         best = validate()
         log(f"      validation loss before training {best:.3f} ({len(validation)} generations)")
+        deadline -= time.perf_counter() - started          # what the last validation will take
     while True:
         rng.shuffle(order)
         for i in order:
@@ -308,18 +324,12 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
                 log(f"      step {steps}{'/' + str(budget) if budget else ''}: loss {np.mean(losses[-20:]):.3f}, "
                     f"{elapsed:.0f} s, about {max(left, 0):.0f} s left")
             if (budget is not None and steps >= budget) or (budget is None and elapsed >= deadline):
+                if validation and steps > checked_at:         # the pass the budget cut short
+                    check(f"step {steps}, {passes} passes and {steps - passes * len(seqs)} records")
                 return finish("budget")
         passes += 1
-        if validation:                       # after every pass over the training records
-            value = validate()
-            if value < best:
-                best, stale = value, 0
-                best_state = [p.detach().clone() for p in trained]
-            else:
-                stale += 1
-            log(f"      pass {passes}: validation loss {value:.3f} (best {best:.3f})")
-            if stale >= patience:
-                return finish("validation loss stopped improving")
+        if validation and check(f"pass {passes}"):           # after every pass over the training records
+            return finish("validation loss stopped improving")
 
 
 # -- the whole command ------------------------------------------------------------------------------

@@ -137,6 +137,48 @@ def test_quant_aware_training_moves_float_weights_and_leaves_the_rest_as_it_was(
         assert torch.equal(after[name], value), name
 
 
+def test_a_budget_that_ends_a_pass_early_keeps_that_partial_pass_if_it_validates_better():
+    """Training whose step budget ends 20 records into its second pass: those weights are validated
+    then, and kept since they validate better than the first pass's (the report's validation loss is
+    theirs, the model ends with them). Before, only whole passes were validated and the first pass's
+    weights came back, dropping the partial pass."""
+    import re
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from spectr_edge_export.adapt import Sequence, _loss, train
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      use_sliding_window=False)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    rng = np.random.default_rng(1)
+
+    def seq():                                   # the teacher: the next token is the previous one + 1
+        ids = [int(rng.integers(0, 64))]
+        for _ in range(15):
+            ids.append((ids[-1] + 1) % 64)
+        nxt = np.asarray(ids[4:], dtype=np.int32)[:, None]
+        top = np.concatenate([nxt, (nxt + 7) % 64], axis=1)                    # [12, 2]
+        p = np.tile(np.asarray([[0.99, 0.01]], dtype=np.float32), (len(nxt), 1))
+        return Sequence(ids, 4, top, p, p)
+
+    fit, validation = [seq() for _ in range(40)], [seq() for _ in range(6)]
+    lines = []
+    report = train(model, fit, layers=2, minutes=60, lr=3e-3, max_steps=60, seed=0, log=lines.append,
+                   validation=validation)
+    assert report["stopped"] == "budget" and report["passes"] == 1 and report["steps"] == 60
+    (first,) = [float(m.group(1)) for line in lines if (m := re.search(r"pass 1: validation loss ([0-9.]+)", line))]
+    (last,) = [float(m.group(1)) for line in lines
+               if (m := re.search(r"step 60, 1 passes and 20 records: validation loss ([0-9.]+)", line))]
+    with torch.no_grad():
+        now = float(np.mean([_loss(model, v).item() for v in validation]))
+    assert last < first - 0.05, (first, last)
+    assert report["validation_loss"] == pytest.approx(now, abs=1e-4) and now == pytest.approx(last, abs=1e-3)
+
+
 def files_digest(bundle: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(bundle.rglob("*")):

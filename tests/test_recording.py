@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,3 +102,31 @@ def test_cli_generate_records_and_refuses_a_file(tiny_qwen_bundle, tmp_path):
     bad = subprocess.run(cmd + ["--record", str(tmp_path / "file"), "hello"], capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "is a file, not a directory" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_text_written_by_one_bundle_is_scored_again_by_another_s_target(tiny_qwen_bundle, tiny_bundle, tmp_path):
+    """bench/record_rescored.py: each record of the fast bundle's generations is rewritten with the
+    scoring bundle's target distributions over the same tokens. Scored by the bundle that wrote it, the
+    rows equal what it recorded itself (top ids where clear, log-probabilities within 0.02); scored by
+    another target, they equal that target teacher-forced, and differ from the recorded ones."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import record_rescored
+
+    gen = spectr_edge.load(tiny_qwen_bundle, provider="cpu", threads=1, prefix_cache=False, record=tmp_path / "fast")
+    for seed in range(3):
+        gen.generate_ids(PROMPT[seed:], max_new_tokens=10, temperature=1.0, seed=seed)
+    fast = list(recording.read(tmp_path / "fast"))
+    assert record_rescored.rescore(tiny_qwen_bundle, tmp_path / "fast", tmp_path / "same", 16) == (3, 30)
+    for a, b in zip(fast, recording.read(tmp_path / "same"), strict=True):
+        assert (a.prompt, a.tokens) == (b.prompt, b.tokens)
+        np.testing.assert_allclose(b.top_logprobs, a.top_logprobs, atol=0.02)
+        clear = np.abs(np.diff(a.top_logprobs, axis=1))[:, 0] > 0.05
+        assert np.all(b.top_ids[clear, 0] == a.top_ids[clear, 0])
+
+    other = spectr_edge.load(tiny_bundle, provider="cpu", threads=1, prefix_cache=False)
+    assert other.bundle.tokenizer.vocab_sha256 == gen.bundle.tokenizer.vocab_sha256
+    record_rescored.rescore(tiny_bundle, tmp_path / "fast", tmp_path / "other", 16)
+    for a, b in zip(fast, recording.read(tmp_path / "other"), strict=True):
+        ids, logp = teacher_forced(other, a.prompt, a.tokens, 16)
+        np.testing.assert_allclose(b.top_logprobs, logp, atol=0.02)
+        assert np.abs(b.top_logprobs - a.top_logprobs).max() > 0.1
