@@ -73,8 +73,11 @@ def main() -> None:
     adapt_s = time.perf_counter() - started
     print(done.stdout + done.stderr)
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    report = {"machine": harness.machine_info(), "bundle": args.bundle, "out": str(out), "train": args.train,
-              "prompts": len(prompts), "recording_bytes": size, "recording_seconds": record_s,
+    report = {"machine": harness.machine_info(), "bundle": args.bundle, "out": str(out), "recording": str(rec),
+              # a recording made before may hold other prompts than --train names
+              "train": args.train if record_s is not None else None,
+              "prompts": len(prompts) if record_s is not None else None,
+              "recording_bytes": size, "recording_seconds": record_s,
               "adapt_seconds": round(adapt_s, 1), "adapt_peak_rss_bytes": peak, "adapt_exit": done.returncode,
               "adapt_output": (done.stdout + done.stderr).splitlines()[-12:], "command": " ".join(cmd)}
     print(f"recording {size / 2**20:.1f} MiB; adapt {adapt_s:.0f} s, peak resident memory {peak / 2**30:.1f} GiB, "
