@@ -80,8 +80,8 @@ def main() -> None:
         before = greedy_acceptance(model, measured)
         before_q = greedy_acceptance(model, measured, rounding) if rounding else None
         started = time.perf_counter()
-        # one step past the last pass: its validation runs, and the best validated weights are kept
-        training = adapt.train(model, fit, int(layers), 600.0, float(lr), int(passes) * len(fit) + 1, 0,
+        # the budget ends with the last pass: its validation runs, and the best validated weights are kept
+        training = adapt.train(model, fit, int(layers), 600.0, float(lr), int(passes) * len(fit), 0,
                                lambda s: print(s, flush=True) if "pass" in s or "before" in s else None,
                                validation, patience=int(passes), rounding=rounding if aware else None)
         after = greedy_acceptance(model, measured)

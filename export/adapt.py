@@ -10,7 +10,9 @@ decoding's distillation, run on what `--record DIR` kept (spectr_edge/recording.
    frozen) to minimize the cross-entropy from the target's recorded top-k distribution (renormalized
    over its k tokens) at every recorded position, for at most `minutes`; the generations of 15% of
    the training prompts are set aside, and training keeps the weights of their best loss (after each
-   pass, and after the pass the budget cuts short) and stops when it has not improved for two passes. An int4 or int8 draft is trained through its weights rounded as the
+   pass, and after the pass the budget cuts short) and stops when it has not improved for two passes.
+   A sequence's frozen layers run once: later passes and validations start at the first trained layer
+   (FrozenLayers). An int4 or int8 draft is trained through its weights rounded as the
    re-export will round them (quantized_weights: the loss is the quantized draft's, the gradient goes
    straight through to the float weights), so that the gain survives the quantization.
 3. The trained draft goes through the export path again: ONNX export and parity check, the bundle
@@ -227,14 +229,54 @@ def quantized_weights(model, rounding: tuple[int, int], trained_layers: int = 0)
 
 
 # -- training ---------------------------------------------------------------------------------------
-def _loss(model, s: Sequence):
-    """Cross-entropy from the target's renormalized top-k to the model, over s's recorded positions."""
+def _loss(model, s: Sequence, frozen: FrozenLayers | None = None, key=None):
+    """Cross-entropy from the target's renormalized top-k to the model, over s's recorded positions.
+    frozen, key: run the model through `frozen`, which keeps s's hidden state under `key`."""
     import torch
 
     ids = torch.tensor([s.ids[:-1]], dtype=torch.long)
-    logq = torch.log_softmax(model(input_ids=ids).logits[0, s.start - 1:].float(), dim=-1)     # [n, W]
+    n = len(s.ids) - s.start                  # the recorded positions: no LM head over the prompt's
+    logits = (model(input_ids=ids, logits_to_keep=n) if frozen is None else frozen(model, key, ids, n)).logits
+    logq = torch.log_softmax(logits[0, -n:].float(), dim=-1)                              # [n, W]
     top = torch.from_numpy(s.top_ids.astype(np.int64))
     return -(torch.from_numpy(s.top_p) * logq.gather(1, top)).sum(dim=1).mean()
+
+
+class FrozenLayers:
+    """Training changes the last `layers` decoder layers only, so what the frozen ones below them compute
+    for a sequence never changes: the first forward of a sequence keeps the hidden state that enters the
+    first trained layer, and later forwards start there (the model's own forward, with the frozen layers
+    left out and that state as its input embeddings). The logits are the same computation, bit for bit;
+    a pass after the first costs the trained layers and the LM head only. Up to max_bytes of states."""
+
+    def __init__(self, model, layers: int, max_bytes: int = 4 << 30):
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.decoder, self.all, self.first = decoder, decoder.layers, len(decoder.layers) - layers
+        self.states: dict = {}
+        self.bytes, self.max_bytes = 0, max_bytes
+
+    def __call__(self, model, key, ids, logits_to_keep: int = 0):
+        import torch
+
+        state = self.states.get(key)
+        if state is not None:
+            self.decoder.layers = torch.nn.ModuleList(list(self.all)[self.first:])
+            try:
+                return model(inputs_embeds=state, logits_to_keep=logits_to_keep)
+            finally:
+                self.decoder.layers = self.all
+        kept = []
+        hook = self.all[self.first].register_forward_pre_hook(
+            lambda _module, args, kwargs: kept.append((args[0] if args else kwargs["hidden_states"]).detach()),
+            with_kwargs=True)
+        try:
+            out = model(input_ids=ids, logits_to_keep=logits_to_keep)
+        finally:
+            hook.remove()
+        if kept and self.bytes + kept[0].nbytes <= self.max_bytes:
+            self.states[key] = kept[0]
+            self.bytes += kept[0].nbytes
+        return out
 
 
 def train(model, seqs: list[Sequence], layers: int, minutes: float, lr: float, max_steps: int | None,
@@ -267,6 +309,7 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
     for p in trained:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
+    frozen = FrozenLayers(model, layers) if layers < len(blocks) else None
     model.train()
     order, rng = list(range(len(seqs))), random.Random(seed)
     started, steps, losses, deadline, budget = time.perf_counter(), 0, [], minutes * 60, max_steps
@@ -276,7 +319,8 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
     def validate() -> float:
         model.eval()
         with torch.no_grad():
-            value = float(np.mean([_loss(model, v).item() for v in validation]))
+            value = float(np.mean([_loss(model, v, frozen, ("validation", j)).item()
+                                   for j, v in enumerate(validation)]))
         model.train()
         return value
 
@@ -292,8 +336,8 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
 
     def check(label: str) -> bool:
         """Validate the weights as they are, keep them if best; whether training should stop."""
-        nonlocal best, best_state, stale, checked_at
-        value, checked_at = validate(), steps
+        nonlocal best, best_state, stale
+        value = validate()
         if value < best:
             best, stale = value, 0
             best_state = [p.detach().clone() for p in trained]
@@ -302,15 +346,14 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
         log(f"      {label}: validation loss {value:.3f} (best {best:.3f})")
         return stale >= patience
 
-    checked_at = 0
     if validation:
         best = validate()
         log(f"      validation loss before training {best:.3f} ({len(validation)} generations)")
         deadline -= time.perf_counter() - started          # what the last validation will take
     while True:
         rng.shuffle(order)
-        for i in order:
-            loss = _loss(model, seqs[i])
+        for k, i in enumerate(order):
+            loss = _loss(model, seqs[i], frozen, i)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -323,13 +366,16 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
                 left = (deadline - elapsed) if budget is None else elapsed / steps * (budget - steps)
                 log(f"      step {steps}{'/' + str(budget) if budget else ''}: loss {np.mean(losses[-20:]):.3f}, "
                     f"{elapsed:.0f} s, about {max(left, 0):.0f} s left")
-            if (budget is not None and steps >= budget) or (budget is None and elapsed >= deadline):
-                if validation and steps > checked_at:         # the pass the budget cut short
-                    check(f"step {steps}, {passes} passes and {steps - passes * len(seqs)} records")
+            spent = (budget is not None and steps >= budget) or (budget is None and elapsed >= deadline)
+            if spent and k + 1 < len(order):
+                if validation:                                # the pass the budget cut short
+                    check(f"step {steps}, {passes} passes and {k + 1} records")
                 return finish("budget")
         passes += 1
         if validation and check(f"pass {passes}"):           # after every pass over the training records
             return finish("validation loss stopped improving")
+        if spent:
+            return finish("budget")
 
 
 # -- the whole command ------------------------------------------------------------------------------

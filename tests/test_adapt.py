@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -137,6 +138,17 @@ def test_quant_aware_training_moves_float_weights_and_leaves_the_rest_as_it_was(
         assert torch.equal(after[name], value), name
 
 
+def small_qwen(layers: int):
+    """A random tied Qwen2 of `layers` layers, hidden 32, vocabulary 64 (seed 0)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                        use_sliding_window=False))
+
+
 def test_a_budget_that_ends_a_pass_early_keeps_that_partial_pass_if_it_validates_better():
     """Training whose step budget ends 20 records into its second pass: those weights are validated
     then, and kept since they validate better than the first pass's (the report's validation loss is
@@ -145,15 +157,10 @@ def test_a_budget_that_ends_a_pass_early_keeps_that_partial_pass_if_it_validates
     import re
 
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from spectr_edge_export.adapt import Sequence, _loss, train
 
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                      use_sliding_window=False)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg)
+    model = small_qwen(2)
     rng = np.random.default_rng(1)
 
     def seq():                                   # the teacher: the next token is the previous one + 1
@@ -177,6 +184,50 @@ def test_a_budget_that_ends_a_pass_early_keeps_that_partial_pass_if_it_validates
         now = float(np.mean([_loss(model, v).item() for v in validation]))
     assert last < first - 0.05, (first, last)
     assert report["validation_loss"] == pytest.approx(now, abs=1e-4) and now == pytest.approx(last, abs=1e-3)
+
+
+@pytest.mark.parametrize("rounding", [None, (4, 32)])
+def test_a_sequence_seen_again_starts_at_the_first_trained_layer_with_the_same_loss_and_gradient(rounding):
+    """FrozenLayers: the second forward of a sequence runs the trained layers only, from the hidden state
+    the first one kept; its loss and the trained weights' gradient equal the whole model's exactly (also
+    with the weights rounded as for an int4 draft), and the model has all its layers afterwards."""
+    import torch
+
+    from spectr_edge_export.adapt import FrozenLayers, Sequence, _loss, quantized_weights
+
+    model = small_qwen(4)
+    rng = np.random.default_rng(2)
+    top = rng.integers(0, 64, (10, 3)).astype(np.int32)
+    p = rng.dirichlet(np.ones(3), 10).astype(np.float32)
+    s = Sequence([int(t) for t in rng.integers(0, 64, 16)], 6, top, p, p)
+    with quantized_weights(model, rounding, 1) if rounding else nullcontext():
+        for q in model.parameters():
+            q.requires_grad_(False)
+        trained = list(model.model.layers[3].parameters())
+        for q in trained:
+            q.requires_grad_(True)
+
+        def loss_and_grads(*frozen):
+            for q in trained:
+                q.grad = None
+            loss = _loss(model, s, *frozen)
+            loss.backward()
+            return loss.detach(), [q.grad.clone() for q in trained]
+
+        whole, whole_grads = loss_and_grads()
+        frozen = FrozenLayers(model, 1)
+        first, first_grads = loss_and_grads(frozen, "a")
+        assert set(frozen.states) == {"a"} and frozen.states["a"].shape == (1, 15, 32)
+        again, again_grads = loss_and_grads(frozen, "a")
+        assert len(model.model.layers) == 4
+        assert torch.equal(whole, first) and torch.equal(whole, again)
+        for a, b, c in zip(whole_grads, first_grads, again_grads, strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c)
+        with torch.no_grad():                          # a trained weight moves: the kept state still serves
+            model.model.layers[3].mlp.down_proj.weight.mul_(1.5) if not rounding else \
+                model.model.layers[3].mlp.down_proj.parametrizations.weight.original.mul_(1.5)
+        assert torch.equal(_loss(model, s).detach(), _loss(model, s, frozen, "a").detach())
+        assert not torch.equal(whole, _loss(model, s).detach())
 
 
 def files_digest(bundle: Path) -> str:
