@@ -177,6 +177,11 @@ def round_weights(w, bits: int, block: int):
     return ((q - zero) * scale).reshape(out, -1)[:, :k]
 
 
+def _decoder(model):
+    """The decoder stack (embeddings, layers, final norm) of a transformers causal LM."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
 @contextmanager
 def quantized_weights(model, rounding: tuple[int, int], trained_layers: int = 0):
     """Within it, every matrix product the export quantizes (the decoder layers' projections and the LM
@@ -193,7 +198,7 @@ def quantized_weights(model, rounding: tuple[int, int], trained_layers: int = 0)
         def forward(self, w):
             return w + (round_weights(w, bits, block) - w).detach()
 
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    decoder = _decoder(model)
     layers = decoder.layers
     live = [m for layer in layers[len(layers) - trained_layers:] for m in layer.modules()
             if isinstance(m, torch.nn.Linear)] if trained_layers else []
@@ -250,7 +255,7 @@ class FrozenLayers:
     a pass after the first costs the trained layers and the LM head only. Up to max_bytes of states."""
 
     def __init__(self, model, layers: int, max_bytes: int = 4 << 30):
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        decoder = _decoder(model)
         self.decoder, self.all, self.first = decoder, decoder.layers, len(decoder.layers) - layers
         self.states: dict = {}
         self.bytes, self.max_bytes = 0, max_bytes
@@ -299,7 +304,7 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
     import torch
 
     torch.manual_seed(seed)
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    decoder = _decoder(model)
     blocks = decoder.layers
     if not 1 <= layers <= len(blocks):
         raise ExportError(f"--layers must be in [1, {len(blocks)}] for this draft, got {layers}")
