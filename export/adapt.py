@@ -255,17 +255,18 @@ class FrozenLayers:
     a pass after the first costs the trained layers and the LM head only. Up to max_bytes of states."""
 
     def __init__(self, model, layers: int, max_bytes: int = 4 << 30):
+        import torch
+
         decoder = _decoder(model)
         self.decoder, self.all, self.first = decoder, decoder.layers, len(decoder.layers) - layers
+        self.trained = torch.nn.ModuleList(list(self.all)[self.first:])     # the stack a kept state enters
         self.states: dict = {}
         self.bytes, self.max_bytes = 0, max_bytes
 
     def __call__(self, model, key, ids, logits_to_keep: int = 0):
-        import torch
-
         state = self.states.get(key)
         if state is not None:
-            self.decoder.layers = torch.nn.ModuleList(list(self.all)[self.first:])
+            self.decoder.layers = self.trained
             try:
                 return model(inputs_embeds=state, logits_to_keep=logits_to_keep)
             finally:
@@ -319,7 +320,7 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
     order, rng = list(range(len(seqs))), random.Random(seed)
     started, steps, losses, deadline, budget = time.perf_counter(), 0, [], minutes * 60, max_steps
     report_every, next_report = 15.0, 15.0
-    best, best_state, stale, passes = float("inf"), None, 0, 0
+    best, best_state, stale, passes, spent = float("inf"), None, 0, 0, False
 
     def validate() -> float:
         model.eval()
