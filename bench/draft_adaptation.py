@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("-n", "--max-new-tokens", type=int, default=96)
     ap.add_argument("--recording", default=None, help="recording directory [default: OUT.recording]")
     ap.add_argument("--minutes", type=float, default=12.0, help="adapt's training budget")
+    ap.add_argument("--layers", type=int, default=None, help="adapt's trained layers [default: adapt's]")
+    ap.add_argument("--lr", type=float, default=None, help="adapt's learning rate [default: adapt's]")
     ap.add_argument("--report", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
 
@@ -69,6 +71,8 @@ def main() -> None:
     started = time.perf_counter()
     cmd = [str(Path(sys.executable).parent / "spectr-edge"), "adapt", "--bundle", str(out), "--from", str(rec),
            "--minutes", str(args.minutes)]
+    cmd += ["--layers", str(args.layers)] if args.layers else []
+    cmd += ["--lr", str(args.lr)] if args.lr else []
     done = subprocess.run(cmd, text=True, capture_output=True)
     adapt_s = time.perf_counter() - started
     print(done.stdout + done.stderr)
