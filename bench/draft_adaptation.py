@@ -71,8 +71,8 @@ def main() -> None:
     started = time.perf_counter()
     cmd = [str(Path(sys.executable).parent / "spectr-edge"), "adapt", "--bundle", str(out), "--from", str(rec),
            "--minutes", str(args.minutes)]
-    cmd += ["--layers", str(args.layers)] if args.layers else []
-    cmd += ["--lr", str(args.lr)] if args.lr else []
+    cmd += ["--layers", str(args.layers)] if args.layers is not None else []
+    cmd += ["--lr", str(args.lr)] if args.lr is not None else []
     done = subprocess.run(cmd, text=True, capture_output=True)
     adapt_s = time.perf_counter() - started
     print(done.stdout + done.stderr)
