@@ -6,7 +6,7 @@ FAST's (its greedy tokens agree with the float32 target's at about 88% of positi
 distributions are BUNDLE's target's, exactly. `spectr-edge adapt --bundle B --from OUT` then reads it.
 
     .venv/bin/python bench/record_rescored.py --fast models/default-int4 --bundle models/default \
-        --train SUBSET --out DIR [--temperature T --seed S]
+        --train SUBSET --out DIR [--prompts-file FILE --temperature T --seed S]
 
 Prints per generation its tokens and time, and at the end both stages' times.
 """
@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--bundle", default=str(harness.ROOT / "models" / "default"),
                     help="the bundle whose target scores it (the one to adapt)")
     ap.add_argument("--train", required=True, help="the prompts (first-N, stratified-N, ids-A,B; de:SUBSET)")
+    ap.add_argument("--prompts-file", type=Path, default=harness.PROMPTS_FILE,
+                    help="questions in Spec-Bench's format (default: Spec-Bench; bench/write_questions.py writes more)")
     ap.add_argument("--out", required=True, type=Path, help="recording directory to append to")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -66,7 +68,7 @@ def main() -> None:
     fast_dir = args.out.with_name(args.out.name + ".fast")      # FAST's own records, scored again below
     if (fast_dir / "traffic.jsonl").exists():
         raise SystemExit(f"error: {fast_dir} exists from an earlier run; move it away first")
-    prompts = harness.select_prompts(harness.load_questions(), args.train)
+    prompts = harness.select_prompts(harness.load_questions(args.prompts_file), args.train)
     gen = spectr_edge.load(args.fast, provider="cpu", record=fast_dir)
     started = time.perf_counter()
     for i, q in enumerate(prompts):

@@ -99,6 +99,25 @@ def test_language_prefix_asks_for_the_answer_in_it_and_plus_joins_subsets():
         harness.select_prompts(questions, "xx:ids-381")
 
 
+
+def test_written_questions_keep_only_questions_and_load_like_spec_bench(tmp_path):
+    import json
+
+    import write_questions
+    text = ('Here are some questions:\n1. "Why do rivers meander across flat plains?"\n'
+            "2) How many moons does Mars have? (2).\n3. Count the first five stars.\n"
+            "- **Question 4:** What makes a good loaf of sourdough bread?\n5. Why?\n"
+            "A line without a number, ending in a question mark?")
+    assert write_questions.parse(text) == ["Why do rivers meander across flat plains?",
+                                           "How many moons does Mars have?",
+                                           "What makes a good loaf of sourdough bread?"]
+    path = tmp_path / "questions.jsonl"
+    path.write_text(json.dumps({"question_id": 10001, "category": "qa", "turns": ["How many moons does Mars have?"],
+                                "subject": "astronomy"}) + "\n")
+    chosen = harness.select_prompts(harness.load_questions(path), "de:first-1")
+    assert chosen == [{"id": 10001, "category": "qa", "task": "qa", "language": "de",
+                       "prompt": "How many moons does Mars have?\n\nBitte antworte auf Deutsch."}]
+
 def _grouped_raw():
     """Three groups run one after the other; the anchor ('base') runs in each, and the machine is
     slower in groups b and c (base 300 and 250 ms instead of 200), which group pairing must cancel."""
