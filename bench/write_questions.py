@@ -3,7 +3,7 @@
 Spec-Bench holds 480 questions, and a deployment's traffic is far more varied than the few hundred of
 them a benchmark leaves outside its suite. This asks BUNDLE to write questions in the three kinds the
 adaptation suite's prompts are (open questions on a subject, short factual questions, grade-school
-math word problems), over SUBJECTS subjects, several per call, sampled with a fixed seed; keeps the
+math word problems), over --subjects subjects, several per call, sampled with a fixed seed; keeps the
 distinct ones and writes them in Spec-Bench's format (question_id from --first-id, category, turns), which
 bench/record_rescored.py reads with --prompts-file.
 
@@ -82,6 +82,8 @@ def main() -> None:
     args = ap.parse_args()
     if not 1 <= args.subjects <= len(SUBJECTS):
         raise SystemExit(f"error: --subjects must be between 1 and {len(SUBJECTS)}")
+    if args.per_call < 1:
+        raise SystemExit("error: --per-call must be at least 1")
     if args.out.exists():
         raise SystemExit(f"error: {args.out} exists; choose another --out or move it away")
 

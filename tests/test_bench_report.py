@@ -6,6 +6,7 @@ assertions check its medians and ratios.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -99,10 +100,7 @@ def test_language_prefix_asks_for_the_answer_in_it_and_plus_joins_subsets():
         harness.select_prompts(questions, "xx:ids-381")
 
 
-
 def test_written_questions_keep_only_questions_and_load_like_spec_bench(tmp_path):
-    import json
-
     import write_questions
     text = ('Here are some questions:\n1. "Why do rivers meander across flat plains?"\n'
             "2) How many moons does Mars have? (2).\n3. Count the first five stars.\n"
@@ -117,6 +115,7 @@ def test_written_questions_keep_only_questions_and_load_like_spec_bench(tmp_path
     chosen = harness.select_prompts(harness.load_questions(path), "de:first-1")
     assert chosen == [{"id": 10001, "category": "qa", "task": "qa", "language": "de",
                        "prompt": "How many moons does Mars have?\n\nBitte antworte auf Deutsch."}]
+
 
 def _grouped_raw():
     """Three groups run one after the other; the anchor ('base') runs in each, and the machine is
