@@ -83,10 +83,8 @@ def main() -> None:
               "prompts": len(prompts) if record_s is not None else None,
               "recording_bytes": size, "recording_seconds": record_s,
               "adapt_seconds": round(adapt_s, 1), "adapt_peak_rss_bytes": peak, "adapt_exit": done.returncode,
-              "adapt_output": done.stdout.splitlines()[-12:],
-              # without the progress bars the GGUF reader draws on stderr
-              "adapt_errors": [ln for ln in done.stderr.splitlines() if ln.strip() and "it/s]" not in ln
-                               and "s/it]" not in ln][-12:],
+              # adapt reports on stdout; stderr holds the GGUF reader's progress bars, and an error when it failed
+              "adapt_output": (done.stdout + (done.stderr if done.returncode else "")).splitlines()[-12:],
               "command": " ".join(cmd)}
     print(f"recording {size / 2**20:.1f} MiB; adapt {adapt_s:.0f} s, peak resident memory {peak / 2**30:.1f} GiB, "
           f"exit {done.returncode}")
