@@ -26,12 +26,21 @@ def task(category: str) -> str:
     return "mt_bench" if category in MT_BENCH else category
 
 
-def load_questions(path: Path = PROMPTS_FILE) -> list[dict]:
-    if not path.is_file():
-        raise SystemExit(f"error: the Spec-Bench prompts are not at {path}; pass --prompts-file")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [{"id": r["question_id"], "category": r["category"], "task": task(r["category"]),
-             "prompt": r["turns"][0]} for r in rows]
+def load_questions(path: Path = PROMPTS_FILE, more=()) -> list[dict]:
+    """Spec-Bench's questions (or PATH's, in its format), then those of each file in MORE (e.g. written
+    by bench/write_questions.py); every question_id once."""
+    questions = []
+    for p in [Path(path), *map(Path, more)]:
+        if not p.is_file():
+            raise SystemExit(f"error: no prompts file at {p}" + ("; pass --prompts-file" if p == Path(path) else ""))
+        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        questions += [{"id": r["question_id"], "category": r["category"], "task": task(r["category"]),
+                       "prompt": r["turns"][0]} for r in rows]
+    ids = [q["id"] for q in questions]
+    if len(set(ids)) != len(ids):
+        raise SystemExit(f"error: the prompts files {[str(path), *map(str, more)]} share question ids; "
+                         "give the extra questions other ids (write_questions.py --first-id)")
+    return questions
 
 
 # a subset's "LANG:" prefix asks for every answer in another language, the traffic of a deployment

@@ -231,6 +231,8 @@ def main(argv=None) -> None:
     ap.add_argument("--bundle", default=str(harness.ROOT / "models" / "default"))
     ap.add_argument("--prompts", default=None,
                     help="first-N | stratified-N | ids-A,B; de:SUBSET answers in German; A+B joins (default per suite)")
+    ap.add_argument("--more-prompts", action="append", default=[], metavar="FILE",
+                    help="more questions in Spec-Bench's format (bench/write_questions.py), selectable by id")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--provider", default="cpu", help="spectr-edge's execution provider: cpu, cuda, tensorrt")
@@ -256,7 +258,7 @@ def main(argv=None) -> None:
     subset = args.prompts or PROMPTS.get(args.suite, "stratified-4")
     if args.quick:
         subset, args.max_new_tokens = (args.prompts or "stratified-1"), 32
-    prompts = harness.select_prompts(harness.load_questions(), subset)
+    prompts = harness.select_prompts(harness.load_questions(more=args.more_prompts), subset)
     if args.quick:
         prompts = prompts[:2]
     name = args.name or args.suite + ("-quick" if args.quick else "")
@@ -271,6 +273,7 @@ def main(argv=None) -> None:
     for m in methods:
         groups.setdefault(m.get("group", "main"), []).append(m)
     meta = {"command": " ".join([Path(sys.executable).name] + sys.argv), "suite": args.suite, "subset": subset,
+            "more_prompts": [str(Path(f).resolve()) for f in args.more_prompts],
             "max_new_tokens": args.max_new_tokens, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": harness.machine_info() | ({"hidden_cpu_features": cpu_mask.HIDDEN} if args.hide_avx512 else {}),
             "workers": {}, "methods": methods, "groups": list(groups),

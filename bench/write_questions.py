@@ -1,13 +1,17 @@
 """Questions written by a bundle's own model, for recording a domain's traffic on many distinct prompts.
 
 Spec-Bench holds 480 questions, and a deployment's traffic is far more varied than the few hundred of
-them a benchmark leaves outside its suite. This asks BUNDLE to write questions in the three kinds the
-adaptation suite's prompts are (open questions on a subject, short factual questions, grade-school
-math word problems), over --subjects subjects, several per call, sampled with a fixed seed; keeps the
-distinct ones and writes them in Spec-Bench's format (question_id from --first-id, category, turns), which
-bench/record_rescored.py reads with --prompts-file.
+them a benchmark leaves outside its suite. This asks BUNDLE to write questions over --subjects subjects
+of a --domain, several per call, sampled with a fixed seed; keeps the distinct ones and writes them in
+Spec-Bench's format (question_id from --first-id, category, turns), which bench/record_rescored.py reads
+with --prompts-file and bench/run.py with --more-prompts. Domains:
 
-    .venv/bin/python bench/write_questions.py --bundle models/default-int4 --out FILE [--subjects N]
+- `general`: the three kinds the adaptation suite's Spec-Bench prompts are (open questions on a subject,
+  short factual questions, grade-school math word problems), over a hundred everyday subjects;
+- `internet-support`: what the customers of a home internet provider ask its support assistant (a
+  problem they have, or how to do something), over forty of its topics: one deployment's narrow traffic.
+
+    .venv/bin/python bench/write_questions.py --bundle models/default-int4 --out FILE [--domain D --subjects N]
 
 Prints each call's questions kept and time, and at the end how many were kept of how many written.
 """
@@ -52,6 +56,31 @@ KINDS = {
                       "two to four steps of arithmetic. Do not give the answers.",
 }
 
+SUPPORT_TOPICS = (
+    "setting up a new router", "the WiFi password", "slow WiFi in some rooms", "mesh WiFi extenders",
+    "the internet connection dropping out", "a red or blinking light on the router", "fibre installation",
+    "DSL line speed", "cable modem activation", "the monthly bill", "a price increase", "changing the tariff",
+    "moving house", "cancelling the contract", "the minimum contract term", "an outage in the area",
+    "a technician appointment", "returning old equipment", "port forwarding", "a static IP address", "IPv6",
+    "DNS settings", "parental controls", "the guest network", "the landline phone over the internet",
+    "TV streaming over the connection", "online gaming latency", "video calls freezing", "the router's admin page",
+    "a firmware update", "a factory reset of the router", "the mobile data backup", "the customer account login",
+    "direct debit and payment methods", "a late payment reminder", "a speed test result below the contract speed",
+    "connecting a printer or smart TV", "smart home devices on the WiFi", "security and a hacked network",
+    "working from home with a VPN",
+)
+
+DOMAINS = {
+    "general": (SUBJECTS, KINDS),
+    "internet-support": (SUPPORT_TOPICS, {
+        "problem": "Write {n} different messages that customers of a home internet provider send to its support "
+                   "assistant about a problem with {subject}. Each describes the customer's situation in one "
+                   "sentence and ends with a question.",
+        "howto": "Write {n} different questions that customers of a home internet provider ask its support "
+                 "assistant about {subject}: how to do something, what it costs, or what their options are.",
+    }),
+}
+
 LINE = re.compile(r"^\s*(?:\d+[.)]|[-*])\s*(?:\*\*[^*]*\*\*:?\s*)?(.+?)\s*$")
 
 
@@ -74,14 +103,17 @@ def main() -> None:
     ap.add_argument("--bundle", default=str(harness.ROOT / "models" / "default-int4"),
                     help="the bundle whose model writes the questions")
     ap.add_argument("--out", required=True, type=Path, help="JSONL file to write (Spec-Bench's format)")
-    ap.add_argument("--subjects", type=int, default=len(SUBJECTS), help=f"how many subjects (at most {len(SUBJECTS)})")
+    ap.add_argument("--domain", choices=DOMAINS, default="general", help="what the questions are about")
+    ap.add_argument("--subjects", type=int, default=None, help="how many of the domain's subjects [default: all]")
     ap.add_argument("--per-call", type=int, default=5, help="questions asked for per call")
     ap.add_argument("--first-id", type=int, default=10001, help="question_id of the first question kept")
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if not 1 <= args.subjects <= len(SUBJECTS):
-        raise SystemExit(f"error: --subjects must be between 1 and {len(SUBJECTS)}")
+    all_subjects, kinds = DOMAINS[args.domain]
+    args.subjects = len(all_subjects) if args.subjects is None else args.subjects
+    if not 1 <= args.subjects <= len(all_subjects):
+        raise SystemExit(f"error: --subjects must be between 1 and {len(all_subjects)} for --domain {args.domain}")
     if args.per_call < 1:
         raise SystemExit("error: --per-call must be at least 1")
     if args.out.exists():
@@ -92,12 +124,12 @@ def main() -> None:
     gen = spectr_edge.load(args.bundle, provider="cpu")
     seen: set[str] = set()
     rows, written, started = [], 0, time.perf_counter()
-    step = len(SUBJECTS) / args.subjects                      # evenly over the list: its neighbours are alike
-    subjects = [SUBJECTS[int(i * step)] for i in range(args.subjects)]
-    calls = [(s, k) for s in subjects for k in KINDS]
+    step = len(all_subjects) / args.subjects                  # evenly over the list: its neighbours are alike
+    subjects = [all_subjects[int(i * step)] for i in range(args.subjects)]
+    calls = [(s, k) for s in subjects for k in kinds]
     for i, (subject, kind) in enumerate(calls):
         t0 = time.perf_counter()
-        res = gen.generate(KINDS[kind].format(n=args.per_call, subject=subject) + " Number them, one per line.",
+        res = gen.generate(kinds[kind].format(n=args.per_call, subject=subject) + " Number them, one per line.",
                            max_new_tokens=48 * args.per_call, temperature=args.temperature,
                            seed=args.seed + i)
         found = parse(res.text)

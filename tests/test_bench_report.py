@@ -115,6 +115,16 @@ def test_written_questions_keep_only_questions_and_load_like_spec_bench(tmp_path
     chosen = harness.select_prompts(harness.load_questions(path), "de:first-1")
     assert chosen == [{"id": 10001, "category": "qa", "task": "qa", "language": "de",
                        "prompt": "How many moons does Mars have?\n\nBitte antworte auf Deutsch."}]
+    # run.py --more-prompts: the written questions beside Spec-Bench's, chosen together by id; ids stay unique
+    support = tmp_path / "support.jsonl"
+    support.write_text(json.dumps({"question_id": 20001, "category": "howto", "turns": ["How do I reset my router?"],
+                                   "subject": "a factory reset of the router"}) + "\n")
+    both = harness.select_prompts(harness.load_questions(path, more=[support]), "de:ids-20001+ids-10001")
+    assert [(q["id"], q["task"], q.get("language")) for q in both] == [(20001, "howto", "de"), (10001, "qa", None)]
+    with pytest.raises(SystemExit, match="share question ids"):
+        harness.load_questions(path, more=[path])
+    assert set(write_questions.DOMAINS) == {"general", "internet-support"}
+    assert all("{n}" in k and "{subject}" in k for _, kinds in write_questions.DOMAINS.values() for k in kinds.values())
 
 
 def _grouped_raw():
