@@ -43,6 +43,12 @@ def load_questions(path: Path = PROMPTS_FILE, more=()) -> list[dict]:
     return questions
 
 
+def repo_path(path) -> str:
+    """PATH relative to the checkout when it lies inside it (a run's raw.json then works in any clone)."""
+    full = Path(path).resolve()
+    return str(full.relative_to(ROOT)) if full.is_relative_to(ROOT) else str(full)
+
+
 # a subset's "LANG:" prefix asks for every answer in another language, the traffic of a deployment
 # whose users speak it (the shifted domain bench/draft_adaptation.py adapts the draft to)
 ANSWER_IN = {"de": "Bitte antworte auf Deutsch.", "fr": "Réponds en français, s'il te plaît.",

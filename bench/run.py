@@ -273,7 +273,7 @@ def main(argv=None) -> None:
     for m in methods:
         groups.setdefault(m.get("group", "main"), []).append(m)
     meta = {"command": " ".join([Path(sys.executable).name] + sys.argv), "suite": args.suite, "subset": subset,
-            "more_prompts": [str(Path(f).resolve()) for f in args.more_prompts],
+            "more_prompts": [harness.repo_path(f) for f in args.more_prompts],
             "max_new_tokens": args.max_new_tokens, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": harness.machine_info() | ({"hidden_cpu_features": cpu_mask.HIDDEN} if args.hide_avx512 else {}),
             "workers": {}, "methods": methods, "groups": list(groups),
