@@ -44,8 +44,8 @@ def main() -> None:
     bundles = [read_bundle(b) for b in args.bundles]
     codec, vocab = TextCodec(bundles[0].tokenizer), bundles[0].tokenizer.vocab_size
     groups: dict[tuple, list] = {}
-    for p in harness.select_prompts(harness.load_questions(more=[harness.ROOT / f for f in raw["meta"].get("more_prompts", ())]),
-                                      raw["meta"]["subset"]):
+    more = [harness.ROOT / f for f in raw["meta"].get("more_prompts", ())]     # run.py --more-prompts
+    for p in harness.select_prompts(harness.load_questions(more=more), raw["meta"]["subset"]):
         if p["id"] not in decoded:
             continue
         ids, tokens = list(codec.encode_prompt(p["prompt"])), [int(t) for t in decoded[p["id"]]]

@@ -9,7 +9,7 @@ with --prompts-file and bench/run.py with --more-prompts. Domains:
 - `general`: the three kinds the adaptation suite's Spec-Bench prompts are (open questions on a subject,
   short factual questions, grade-school math word problems), over a hundred everyday subjects;
 - `internet-support`: what the customers of a home internet provider ask its support assistant (a
-  problem they have, or how to do something), over forty of its topics: one deployment's narrow traffic.
+  problem they have, or how to do something), on forty of its topics: one deployment's narrow traffic.
 
     .venv/bin/python bench/write_questions.py --bundle models/default-int4 --out FILE [--domain D --subjects N]
 

@@ -123,6 +123,9 @@ def test_written_questions_keep_only_questions_and_load_like_spec_bench(tmp_path
     assert [(q["id"], q["task"], q.get("language")) for q in both] == [(20001, "howto", "de"), (10001, "qa", None)]
     with pytest.raises(SystemExit, match="share question ids"):
         harness.load_questions(path, more=[path])
+    # the run's raw.json names such a file relative to the checkout, so that another clone finds it
+    assert harness.repo_path(harness.ROOT / "bench" / "q.jsonl") == "bench/q.jsonl"
+    assert harness.repo_path(support) == str(support.resolve())
     assert set(write_questions.DOMAINS) == {"general", "internet-support"}
     assert all("{n}" in k and "{subject}" in k for _, kinds in write_questions.DOMAINS.values() for k in kinds.values())
 
