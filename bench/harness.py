@@ -32,7 +32,7 @@ def load_questions(path: Path = PROMPTS_FILE, more=()) -> list[dict]:
     questions = []
     for p in [Path(path), *map(Path, more)]:
         if not p.is_file():
-            raise SystemExit(f"error: no prompts file at {p}" + ("; pass --prompts-file" if p == Path(path) else ""))
+            raise SystemExit(f"error: no prompts file at {p}; name an existing JSONL file in Spec-Bench's format")
         rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
         questions += [{"id": r["question_id"], "category": r["category"], "task": task(r["category"]),
                        "prompt": r["turns"][0]} for r in rows]
