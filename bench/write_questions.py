@@ -12,6 +12,7 @@ with --prompts-file and bench/run.py with --more-prompts. Domains:
   problem they have, or how to do something), on forty of its topics: one deployment's narrow traffic.
 
     .venv/bin/python bench/write_questions.py --bundle models/default-int4 --out FILE [--domain D --subjects N]
+    ... --seed 1 --first-id 21001 --avoid FILE      # more of the same domain: other samples, none of FILE's questions
 
 Prints each call's questions kept and time, and at the end how many were kept of how many written.
 """
@@ -98,6 +99,11 @@ def parse(text: str) -> list[str]:
     return out
 
 
+def key(question: str) -> str:
+    """What two questions share when they are the same question: lower case, words only."""
+    return re.sub(r"\W+", " ", question.lower()).strip()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", default=str(harness.ROOT / "models" / "default-int4"),
@@ -109,6 +115,8 @@ def main() -> None:
     ap.add_argument("--first-id", type=int, default=10001, help="question_id of the first question kept")
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--avoid", type=Path, action="append", default=[],
+                    help="a questions file whose questions are not kept again (repeatable): to write more of a domain")
     args = ap.parse_args()
     all_subjects, kinds = DOMAINS[args.domain]
     args.subjects = len(all_subjects) if args.subjects is None else args.subjects
@@ -118,11 +126,12 @@ def main() -> None:
         raise SystemExit("error: --per-call must be at least 1")
     if args.out.exists():
         raise SystemExit(f"error: {args.out} exists; choose another --out or move it away")
+    seen = {key(q["prompt"]) for path in args.avoid for q in harness.load_questions(path)}
+    avoided = len(seen)
 
     import spectr_edge
 
     gen = spectr_edge.load(args.bundle, provider="cpu")
-    seen: set[str] = set()
     rows, written, started = [], 0, time.perf_counter()
     step = len(all_subjects) / args.subjects                  # evenly over the list: its neighbours are alike
     subjects = [all_subjects[int(i * step)] for i in range(args.subjects)]
@@ -136,10 +145,9 @@ def main() -> None:
         written += len(found)
         kept = 0
         for q in found[:args.per_call]:
-            key = re.sub(r"\W+", " ", q.lower()).strip()
-            if key in seen:
+            if key(q) in seen:
                 continue
-            seen.add(key)
+            seen.add(key(q))
             rows.append({"question_id": args.first_id + len(rows), "category": kind, "turns": [q],
                          "subject": subject})
             kept += 1
@@ -148,7 +156,8 @@ def main() -> None:
     tmp = args.out.with_name(args.out.name + ".part")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     tmp.replace(args.out)
-    print(f"{len(rows)} questions kept of {written} written, in {time.perf_counter() - started:.0f} s: {args.out}")
+    print(f"{len(rows)} questions kept of {written} written (none of them among the {avoided} of --avoid), in "
+          f"{time.perf_counter() - started:.0f} s: {args.out}")
 
 
 if __name__ == "__main__":
