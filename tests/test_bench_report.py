@@ -126,6 +126,9 @@ def test_written_questions_keep_only_questions_and_load_like_spec_bench(tmp_path
     # the run's raw.json names such a file relative to the checkout, so that another clone finds it
     assert harness.repo_path(harness.ROOT / "bench" / "q.jsonl") == "bench/q.jsonl"
     assert harness.repo_path(support) == str(support.resolve())
+    # --avoid: the same question, differently cased and punctuated, is the same question; another is not
+    assert write_questions.key("How do I reset my router?") == write_questions.key("how do I reset my  router")
+    assert write_questions.key("How do I reset my router?") != write_questions.key("How do I reset my modem?")
     assert set(write_questions.DOMAINS) == {"general", "internet-support"}
     assert all("{n}" in k and "{subject}" in k for _, kinds in write_questions.DOMAINS.values() for k in kinds.values())
 
