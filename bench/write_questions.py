@@ -145,9 +145,9 @@ def main() -> None:
         written += len(found)
         kept = 0
         for q in found[:args.per_call]:
-            if key(q) in seen:
+            if (k := key(q)) in seen:
                 continue
-            seen.add(key(q))
+            seen.add(k)
             rows.append({"question_id": args.first_id + len(rows), "category": kind, "turns": [q],
                          "subject": subject})
             kept += 1
@@ -156,8 +156,8 @@ def main() -> None:
     tmp = args.out.with_name(args.out.name + ".part")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     tmp.replace(args.out)
-    print(f"{len(rows)} questions kept of {written} written (none of them among the {avoided} of --avoid), in "
-          f"{time.perf_counter() - started:.0f} s: {args.out}")
+    among = f" (none of them among the {avoided} of --avoid)" if avoided else ""
+    print(f"{len(rows)} questions kept of {written} written{among}, in {time.perf_counter() - started:.0f} s: {args.out}")
 
 
 if __name__ == "__main__":
