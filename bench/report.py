@@ -154,6 +154,27 @@ def _languages(prompts: list[dict]) -> str:
                    for lang, ids in asked.items())
 
 
+def by_language(raw: dict) -> list[str]:
+    """Markdown lines: each method on the prompts of each answer language, when the run asked for more
+    than one (a `de:` subset beside plain prompts); nothing otherwise. Speedups pair prompts as above."""
+    langs = defaultdict(set)
+    for p in raw["meta"]["prompts"]:
+        langs[p.get("language") or "as asked"].add(p["id"])
+    if len(langs) < 2:
+        return []
+    lines = ["", "Per answer language (speedup: median of per-prompt ratios; first position and acceptance: pooled "
+             "over steps):", "", "| method | answers | prompts | ms/token median | speedup vs target-only | "
+             "tokens per target call | first-position acceptance | acceptance |", "|---|---|---|---|---|---|---|---|"]
+    for lang, ids in langs.items():
+        part = {"meta": raw["meta"], "rows": [r for r in raw["rows"] if r["prompt_id"] in ids]}
+        for t in summary(part):
+            first = t["acceptance_by_position"][0] if t["acceptance_by_position"] else None
+            lines.append(f"| {t['method']} | {lang} | {t['prompts']} | {_f(t['ms_per_token'], '.1f')} | "
+                         f"{_x(t['speedup'])} | {_f(t['tokens_per_call'], '.2f')} | {_f(first, '.3f')} | "
+                         f"{_f(t['acceptance'], '.3f')} |")
+    return lines
+
+
 def markdown(raw: dict) -> str:
     meta, table = raw["meta"], summary(raw)
     own = any(m.get("own_baseline") for m in meta["methods"])
@@ -200,6 +221,7 @@ def markdown(raw: dict) -> str:
                   "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for m, by in own_tasks.items():
             lines.append(f"| {m} | " + " | ".join(_f(by[t], '.2f') for t in names) + " |")
+    lines += by_language(raw)
     lines += ["", "Acceptance at each draft position (steps that accepted it / steps that verified it):", ""]
     for t in table:
         if t["acceptance_by_position"]:

@@ -69,6 +69,17 @@ def test_markdown_names_failures_and_tasks():
     assert "| spec (failed: boom) | 3 |" in text and "| spec | 2.00 | 1.25 |" in text
 
 
+def test_by_language_splits_the_table_when_prompts_asked_for_another_language():
+    assert report.by_language(_raw()) == []                        # one language: no such table
+    raw = _raw()
+    raw["meta"]["prompts"][0]["language"] = "de"                   # prompt 1 answered in German
+    lines = report.by_language(raw)
+    # German: prompt 1 alone (2.0x, first position 2/3); as asked: prompts 2 and 3 (median of 1.5 and 1.0)
+    assert "| spec | de | 1 | 100.0 | 2.00x | 2.00 | 0.667 | 0.667 |" in lines
+    assert "| spec | as asked | 2 | 110.0 | 1.25x | 2.00 | 0.667 | 0.667 |" in lines
+    assert "| base | de | 1 | 200.0 | 1.00x | 1.00 | - | - |" in lines
+
+
 def test_stratified_subset_takes_each_task_and_spreads_mt_bench():
     if not harness.PROMPTS_FILE.is_file():
         pytest.skip(f"Spec-Bench prompts not beside the checkout ({harness.PROMPTS_FILE})")
