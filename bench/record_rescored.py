@@ -1,5 +1,6 @@
 """Recording a domain's traffic faster: a quick bundle (the int4 twin) writes the text, the bundle being
-adapted scores it. Each prompt is answered by FAST with `record=` (its own records are kept apart), then
+adapted scores it. Each prompt is answered by FAST with `record=` (its own records go to a temporary
+directory beside OUT, removed once scored; an interrupted run leaves it, named OUT.fast-*), then
 every recorded generation is scored again by BUNDLE's target in one teacher-forced call, and the record
 BUNDLE's `--record` would have written for that text is appended to OUT/traffic.jsonl. The text is
 FAST's (its greedy tokens agree with the float32 target's at about 88% of positions), the teacher
@@ -14,7 +15,9 @@ Prints per generation its tokens and time, and at the end both stages' times.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,10 +68,10 @@ def main() -> None:
 
     import spectr_edge
 
-    fast_dir = args.out.with_name(args.out.name + ".fast")      # FAST's own records, scored again below
-    if (fast_dir / "traffic.jsonl").exists():
-        raise SystemExit(f"error: {fast_dir} exists from an earlier run; move it away first")
     prompts = harness.select_prompts(harness.load_questions(args.prompts_file), args.train)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    # FAST's own records, scored again below: a new directory per run, so that runs append parts to one OUT
+    fast_dir = Path(tempfile.mkdtemp(prefix=args.out.name + ".fast-", dir=args.out.parent))
     gen = spectr_edge.load(args.fast, provider="cpu", record=fast_dir)
     started = time.perf_counter()
     for i, q in enumerate(prompts):
@@ -80,6 +83,7 @@ def main() -> None:
     started = time.perf_counter()
     n, tokens = rescore(Path(args.bundle), fast_dir, args.out, args.top_k)
     score_s = time.perf_counter() - started
+    shutil.rmtree(fast_dir)
     print(f"{len(prompts)} prompts: text written by {args.fast} in {write_s:.0f} s; {n} generations "
           f"({tokens} tokens) scored by {args.bundle}'s target in {score_s:.0f} s, appended to "
           f"{args.out / 'traffic.jsonl'}")
