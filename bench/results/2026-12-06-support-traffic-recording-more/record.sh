@@ -11,7 +11,7 @@ OUT=models/default-support-more.recording
    --avoid bench/results/2026-12-06-draft-adaptation-support/questions.jsonl \
    --avoid bench/results/2026-12-06-support-traffic-recording/questions-more.jsonl \
    --out $HERE/questions.jsonl 2>&1 | tee $HERE/write_questions.log
-ids=$(.venv/bin/python -c "import json,sys; print(','.join(str(json.loads(l)['question_id']) for l in open(sys.argv[1])))" $HERE/questions.jsonl)
+n=$(wc -l < $HERE/questions.jsonl)          # every question just written
 .venv/bin/python bench/record_rescored.py --fast models/default-int4 --bundle models/default \
-   --prompts-file $HERE/questions.jsonl --train "de:ids-$ids" --out $OUT 2>&1 | tee $HERE/record.log
+   --prompts-file $HERE/questions.jsonl --train "de:first-$n" --out $OUT 2>&1 | tee $HERE/record.log
 gzip -c $OUT/traffic.jsonl > $HERE/traffic.jsonl.gz
