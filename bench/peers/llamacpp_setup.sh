@@ -10,19 +10,23 @@
 # Zen 3 (SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512): the peer of `bench/run.py --hide-avx512`.
 # Those flags are spelled out because ggml turns them on by default only when GGML_NATIVE_DEFAULT
 # is ON, which it is not when SOURCE_DATE_EPOCH is set (that would silently give an SSE2-only
-# build). No BLAS, CUDA or curl. The worker records llama.cpp's own system info (the kernels it
-# chose) in every run.
+# build). LLAMACPP_ISA=native-no-amx is the native build without ggml's AMX kernels, into the native
+# build's environment: on CPUs with AMX (Intel Xeon since Sapphire Rapids) version 0.3.36's AMX
+# matrix product crashes on Q4_K_M weights (SIGSEGV in ggml_backend_amx_mul_mat, llama.cpp issue
+# 20824), so there the native build cannot run the benchmark. No BLAS, CUDA or curl. The worker
+# records llama.cpp's own system info (the kernels it chose) in every run.
 #
 #     bash bench/peers/llamacpp_setup.sh                     # PYTHON=python3.11 to choose the interpreter
 #     LLAMACPP_ISA=avx2 bash bench/peers/llamacpp_setup.sh   # the AVX2-only build
+#     LLAMACPP_ISA=native-no-amx bash bench/peers/llamacpp_setup.sh   # native, AMX left out
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 ISA="${LLAMACPP_ISA:-native}"
 case "$ISA" in
-    native) VENV="$ROOT/bench/.venv-llamacpp" ;;
+    native|native-no-amx) VENV="$ROOT/bench/.venv-llamacpp" ;;
     avx2) VENV="$ROOT/bench/.venv-llamacpp-avx2" ;;
-    *) echo "error: LLAMACPP_ISA is native or avx2, not $ISA" >&2; exit 2 ;;
+    *) echo "error: LLAMACPP_ISA is native, native-no-amx or avx2, not $ISA" >&2; exit 2 ;;
 esac
 PYTHON="${PYTHON:-python3}"
 VERSION=0.3.36
@@ -37,6 +41,10 @@ COMMON="-DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_BACKEND_DL=OFF -DGGML_CPU_ALL_VAR
 if [ "$ISA" = avx2 ]; then
     export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON \
 -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF $COMMON"
+elif [ "$ISA" = native-no-amx ]; then
+    # explicit -mno-* flags win over -march=native in GCC and Clang, whatever their order
+    export CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS=-mno-amx-tile\ -mno-amx-int8\ -mno-amx-bf16 \
+-DCMAKE_CXX_FLAGS=-mno-amx-tile\ -mno-amx-int8\ -mno-amx-bf16 $COMMON"
 else
     export CMAKE_ARGS="-DGGML_NATIVE=ON $COMMON"
 fi
@@ -44,7 +52,9 @@ export CMAKE_BUILD_PARALLEL_LEVEL=2      # 2 compile jobs
 export FORCE_CMAKE=1
 
 # --no-binary: build from the sdist even if a wheel exists; --no-cache-dir: never reuse a wheel
-# built earlier with other flags.
+# built earlier with other flags; the uninstall: pip would keep an installed build of this version,
+# whatever its flags.
+"$VENV/bin/python" -m pip uninstall -y llama-cpp-python
 "$VENV/bin/python" -m pip install --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==$VERSION"
 
 "$VENV/bin/python" - <<'PY'
