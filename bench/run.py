@@ -122,6 +122,7 @@ def missing_setup(key: str, args) -> str | None:
 class Worker:
     def __init__(self, key: str, cmd: list[str], log):
         self.key = key
+        self.native_llamacpp = key == "llamacpp" and Path(cmd[0]).parent.parent.name == ".venv-llamacpp"
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                                      bufsize=1)
         hello = self._read()
@@ -132,7 +133,12 @@ class Worker:
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise SystemExit(f"error: worker {self.key} exited (status {self.proc.wait()}); see log.txt")
+            status = self.proc.wait()
+            hint = ""
+            if self.native_llamacpp and status < 0 and "amx_int8" in harness.machine_info().get("cpu_flags", []):
+                hint = ("; llama.cpp's AMX kernels crash on Q4_K_M weights: build without them, "
+                        "`LLAMACPP_ISA=native-no-amx bash bench/peers/llamacpp_setup.sh`")
+            raise SystemExit(f"error: worker {self.key} exited (status {status}){hint}; see log.txt")
         return json.loads(line)
 
     def request(self, req: dict) -> tuple[dict, int]:

@@ -131,7 +131,7 @@ def smollm2_bundle() -> Path:
 # -- the fast tier: `bash scripts/test.sh -m unit` ----------------------------------------------------
 # Pure NumPy and structure tests: whole modules that load no model, and the tests of the mixed modules
 # below that ask for no model fixture. They run in well under a minute.
-UNIT_MODULES = {"test_selection", "test_sampling", "test_bench_report", "test_toy_lm"}
+UNIT_MODULES = {"test_selection", "test_sampling", "test_bench_report", "test_bench_workers", "test_toy_lm"}
 MIXED_MODULES = {"test_lookup", "test_policy", "test_tree", "test_runtime"}
 MODEL_FIXTURES = {"tmp_path", "tmp_path_factory", "toy_dir", "gen", "bundle", "tiny_bundle", "tiny_qwen_bundle",
                   "smollm2_bundle", "upgraded", "onnx_dir", "tree_gen", "tree_bundle"}

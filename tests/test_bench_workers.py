@@ -1,0 +1,34 @@
+"""bench/run.py's worker processes: a worker that dies says why, and what to do about it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import run  # noqa: E402
+
+SEGFAULT = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+
+
+def _python_in(venv: Path) -> str:
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    return str(venv / "bin" / "python")
+
+
+@pytest.mark.parametrize("venv, flags, hint", [
+    (".venv-llamacpp", ["avx2", "avx512f", "amx_int8"], True),     # the native build on a CPU with AMX
+    (".venv-llamacpp", ["avx2", "avx512f"], False),                # no AMX: nothing to suggest
+    (".venv-llamacpp-avx2", ["avx2", "avx512f", "amx_int8"], False),  # the AVX2 build has no AMX kernels
+])
+def test_a_llamacpp_worker_killed_by_a_signal_names_the_build_without_amx_only_where_it_applies(
+        tmp_path, monkeypatch, venv, flags, hint):
+    monkeypatch.setattr(run.harness, "machine_info", lambda: {"cpu_flags": flags})
+    with (tmp_path / "log.txt").open("w") as log, pytest.raises(SystemExit) as exc:
+        run.Worker("llamacpp", [_python_in(tmp_path / venv), "-c", SEGFAULT], log)
+    message = str(exc.value)
+    assert message.startswith("error: worker llamacpp exited (status -11)") and message.endswith("see log.txt")
+    assert ("LLAMACPP_ISA=native-no-amx bash bench/peers/llamacpp_setup.sh" in message) is hint
