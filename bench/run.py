@@ -135,7 +135,10 @@ class Worker:
         if not line:
             status = self.proc.wait()
             hint = ""
-            if self.native_llamacpp and status < 0 and "amx_int8" in harness.machine_info().get("cpu_flags", []):
+            # llama.cpp's own system info once the worker has said it; before that, the CPU's flags
+            amx = ("AMX_INT8 = 1" in self.info.get("system_info", "") if hasattr(self, "info")
+                   else "amx_int8" in harness.machine_info().get("cpu_flags", []))
+            if self.native_llamacpp and status < 0 and amx:
                 hint = ("; llama.cpp's AMX kernels crash on Q4_K_M weights: build without them, "
                         "`LLAMACPP_ISA=native-no-amx bash bench/peers/llamacpp_setup.sh`")
             raise SystemExit(f"error: worker {self.key} exited (status {status}){hint}; see log.txt")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -32,3 +33,20 @@ def test_a_llamacpp_worker_killed_by_a_signal_names_the_build_without_amx_only_w
     message = str(exc.value)
     assert message.startswith("error: worker llamacpp exited (status -11)") and message.endswith("see log.txt")
     assert ("LLAMACPP_ISA=native-no-amx bash bench/peers/llamacpp_setup.sh" in message) is hint
+
+
+@pytest.mark.parametrize("system_info, hint", [("AVX512 = 1 | AMX_INT8 = 1 |", True), ("AVX512 = 1 |", False)])
+def test_a_llamacpp_worker_that_dies_after_it_started_is_judged_by_its_own_kernels(tmp_path, monkeypatch,
+                                                                                  system_info, hint):
+    """Once the worker has reported llama.cpp's system info, that decides: a build without AMX kernels
+    that crashes gets no AMX hint, even on a CPU with AMX."""
+    monkeypatch.setattr(run.harness, "machine_info", lambda: {"cpu_flags": ["avx2", "avx512f", "amx_int8"]})
+    hello = json.dumps({"ready": True, "info": {"system_info": system_info}})
+    code = f"import sys; print({hello!r}, flush=True); sys.stdin.readline(); {SEGFAULT}"
+    with (tmp_path / "log.txt").open("w") as log:
+        worker = run.Worker("llamacpp", [_python_in(tmp_path / ".venv-llamacpp"), "-c", code], log)
+        with pytest.raises(SystemExit) as exc:
+            worker.request({"prompt": "x"})
+    message = str(exc.value)
+    assert message.startswith("error: worker llamacpp exited (status -11)")
+    assert ("LLAMACPP_ISA=native-no-amx" in message) is hint
