@@ -123,6 +123,7 @@ class Worker:
     def __init__(self, key: str, cmd: list[str], log):
         self.key = key
         self.native_llamacpp = key == "llamacpp" and Path(cmd[0]).parent.parent.name == ".venv-llamacpp"
+        self.info: dict | None = None                    # what the worker says of itself once started
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                                      bufsize=1)
         hello = self._read()
@@ -135,10 +136,10 @@ class Worker:
         if not line:
             status = self.proc.wait()
             hint = ""
-            # llama.cpp's own system info once the worker has said it; before that, the CPU's flags
-            amx = ("AMX_INT8 = 1" in self.info.get("system_info", "") if hasattr(self, "info")
-                   else "amx_int8" in harness.machine_info().get("cpu_flags", []))
-            if self.native_llamacpp and status < 0 and amx:
+            # AMX kernels: llama.cpp's own system info once the worker has said it, before that the CPU's flags
+            if self.native_llamacpp and status < 0 and (
+                    "AMX_INT8 = 1" in self.info.get("system_info", "") if self.info is not None
+                    else "amx_int8" in harness.machine_info().get("cpu_flags", [])):
                 hint = ("; llama.cpp's AMX kernels crash on Q4_K_M weights: build without them, "
                         "`LLAMACPP_ISA=native-no-amx bash bench/peers/llamacpp_setup.sh`")
             raise SystemExit(f"error: worker {self.key} exited (status {status}){hint}; see log.txt")
