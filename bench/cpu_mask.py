@@ -6,9 +6,13 @@ bits cleared, so on an AVX-512 machine they run the kernels an AVX2-only CPU (AM
 before Ice Lake) would run. The cores, caches and memory stay this machine's: a figure measured so
 is "AVX2 kernels on <this CPU>", not a Zen 3 figure. llama.cpp picks its kernels when it is
 compiled: its AVX2-only peer is a separate build (LLAMACPP_ISA=avx2 bench/peers/llamacpp_setup.sh).
+With --keep-avx-vnni (SPECTR_KEEP_AVX_VNNI=1 in the environment) AVX-VNNI stays visible: the kernels
+of Intel's client cores since Alder Lake, which have AVX2 and AVX-VNNI and no AVX-512 (llama.cpp's peer:
+LLAMACPP_ISA=avx2-vnni).
 
     .venv/bin/python bench/cpu_mask.py --check                       # builds the library, shows what NumPy sees
     .venv/bin/python bench/cpu_mask.py -- .venv/bin/python bench/int4_levers.py ...   # any command
+    .venv/bin/python bench/cpu_mask.py --keep-avx-vnni -- ...        # AVX2 and AVX-VNNI
     .venv/bin/python bench/run.py --suite int4-peers --hide-avx512   # every worker of a run
 
 Needs gcc and a CPU and kernel that can make CPUID fault (the "cpuid_fault" flag in /proc/cpuinfo);
@@ -25,7 +29,13 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 SOURCE = BENCH / "cpu_features" / "hide_avx512.c"
 LIBRARY = BENCH / ".build" / "hide_avx512.so"
-HIDDEN = "AVX-512 (F, DQ, CD, BW, VL, IFMA, VBMI, VBMI2, VNNI, BF16, FP16, BITALG, VPOPCNTDQ), AVX-VNNI, AMX"
+KEEP_AVX_VNNI = "SPECTR_KEEP_AVX_VNNI"
+
+
+def hidden(keep_avx_vnni: bool = False) -> str:
+    """What the mask hides, in words."""
+    return (f"AVX-512 (F, DQ, CD, BW, VL, IFMA, VBMI, VBMI2, VNNI, BF16, FP16, BITALG, VPOPCNTDQ), "
+            f"{'' if keep_avx_vnni else 'AVX-VNNI, '}AMX")
 
 
 def library() -> Path:
@@ -44,10 +54,14 @@ def library() -> Path:
     return LIBRARY
 
 
-def environment(base: dict | None = None) -> dict:
+def environment(base: dict | None = None, keep_avx_vnni: bool = False) -> dict:
     """An environment whose processes run with AVX-512 hidden (preloaded before anything else)."""
     env = dict(os.environ if base is None else base)
     env["LD_PRELOAD"] = " ".join([str(library())] + env.get("LD_PRELOAD", "").split())
+    if keep_avx_vnni:
+        env[KEEP_AVX_VNNI] = "1"
+    else:
+        env.pop(KEEP_AVX_VNNI, None)
     return env
 
 
@@ -61,9 +75,9 @@ def seen_by_numpy(env: dict | None = None) -> dict[str, bool]:
     return json.loads(out.stdout)
 
 
-def check() -> dict[str, bool]:
+def check(keep_avx_vnni: bool = False) -> dict[str, bool]:
     """seen_by_numpy under the mask; SystemExit unless AVX2 is there and AVX-512 is not."""
-    seen = seen_by_numpy(environment())
+    seen = seen_by_numpy(environment(keep_avx_vnni=keep_avx_vnni))
     if not seen["AVX2"] or seen["AVX512F"] or seen["AVX512VNNI"]:
         raise SystemExit(f"error: the CPU mask did not take (NumPy sees {seen})")
     return seen
@@ -71,15 +85,17 @@ def check() -> dict[str, bool]:
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    keep = argv[:1] == ["--keep-avx-vnni"]
+    argv = argv[keep:]
     if argv[:1] == ["--check"]:
-        print(f"{library()}\nwithout the mask NumPy sees {seen_by_numpy()}\nwith it {check()}")
+        print(f"{library()}\nwithout the mask NumPy sees {seen_by_numpy()}\nwith it {check(keep)}")
         return
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
         raise SystemExit(__doc__)
-    check()
-    os.execvpe(argv[0], argv, environment())
+    check(keep)
+    os.execvpe(argv[0], argv, environment(keep_avx_vnni=keep))
 
 
 if __name__ == "__main__":

@@ -112,7 +112,9 @@ def machine_info() -> dict:
     except OSError:
         info["cpu"] = platform.processor()
     if "hide_avx512" in os.environ.get("LD_PRELOAD", ""):      # bench/cpu_mask.py runs this process
-        info["hidden_cpu_features"] = "AVX-512, AVX-VNNI, AMX (bench/cpu_mask.py): AVX2 kernels"
+        kept = os.environ.get("SPECTR_KEEP_AVX_VNNI") == "1"
+        info["hidden_cpu_features"] = (f"AVX-512, {'' if kept else 'AVX-VNNI, '}AMX (bench/cpu_mask.py): "
+                                       f"AVX2{' and AVX-VNNI' if kept else ''} kernels")
     try:
         info["git_commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                             capture_output=True, text=True, check=True).stdout.strip()

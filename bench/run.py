@@ -4,6 +4,7 @@
     .venv/bin/python bench/run.py --suite precisions            # every target precision, llama.cpp, ORT GenAI
     .venv/bin/python bench/run.py --suite policies --checkout ../other-worktree   # two versions of the code
     .venv/bin/python bench/run.py --suite int4-peers --hide-avx512  # AVX2 kernels only (bench/cpu_mask.py)
+    .venv/bin/python bench/run.py --suite int4-peers --hide-avx512 --keep-avx-vnni   # AVX2 and AVX-VNNI
     (the suites are in bench/suites.py)
 
 Every method runs in a worker process (bench/workers/), one worker per tool configuration
@@ -52,9 +53,11 @@ SETUP = {"llamacpp": "bash bench/peers/llamacpp_setup.sh", "ortgenai": "bash ben
 
 
 def peer_venv(tool: str, args) -> tuple[Path, str]:
-    """A peer's environment and the command that sets it up; with --hide-avx512, llama.cpp's AVX2-only build."""
+    """A peer's environment and the command that sets it up; with --hide-avx512, llama.cpp's AVX2-only build
+    (with --keep-avx-vnni, its AVX2 and AVX-VNNI build)."""
     if tool == "llamacpp" and getattr(args, "hide_avx512", False):
-        return BENCH / ".venv-llamacpp-avx2", "LLAMACPP_ISA=avx2 bash bench/peers/llamacpp_setup.sh"
+        isa = "avx2-vnni" if getattr(args, "keep_avx_vnni", False) else "avx2"
+        return BENCH / f".venv-llamacpp-{isa}", f"LLAMACPP_ISA={isa} bash bench/peers/llamacpp_setup.sh"
     return BENCH / f".venv-{tool}", SETUP[tool]
 
 
@@ -188,7 +191,8 @@ def start_workers(members: list[dict], args, log) -> tuple[dict, dict]:
         if why is None:
             cmd = worker_command(key, args)
             if args.hide_avx512:       # every worker runs the kernels of an AVX2-only CPU
-                cmd = ["env", f"LD_PRELOAD={cpu_mask.library()}"] + cmd
+                cmd = ["env", f"LD_PRELOAD={cpu_mask.library()}",
+                       f"{cpu_mask.KEEP_AVX_VNNI}={int(args.keep_avx_vnni)}"] + cmd
             try:
                 workers[key] = Worker(key, cmd, log)
             except SystemExit as err:   # the worker printed its traceback into log.txt
@@ -257,9 +261,14 @@ def main(argv=None) -> None:
     ap.add_argument("--hide-avx512", action="store_true",
                     help="run every worker as if this CPU had AVX2 and no AVX-512 (bench/cpu_mask.py); llama.cpp "
                          "from its AVX2-only build (LLAMACPP_ISA=avx2 bench/peers/llamacpp_setup.sh)")
+    ap.add_argument("--keep-avx-vnni", action="store_true",
+                    help="with --hide-avx512: leave AVX-VNNI visible, as on Intel's client cores since Alder Lake; "
+                         "llama.cpp from its AVX2 and AVX-VNNI build (LLAMACPP_ISA=avx2-vnni)")
     args = ap.parse_args(argv)
+    if args.keep_avx_vnni and not args.hide_avx512:
+        raise SystemExit("error: --keep-avx-vnni only applies with --hide-avx512; add --hide-avx512")
     if args.hide_avx512:
-        cpu_mask.check()
+        cpu_mask.check(args.keep_avx_vnni)
     methods = suite(args.suite, args.all_configs, args.tree_bundle)
     if args.checkout:
         checkout = str(Path(args.checkout).resolve())
@@ -285,7 +294,8 @@ def main(argv=None) -> None:
     meta = {"command": " ".join([Path(sys.executable).name] + sys.argv), "suite": args.suite, "subset": subset,
             "more_prompts": [harness.repo_path(f) for f in args.more_prompts],
             "max_new_tokens": args.max_new_tokens, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": harness.machine_info() | ({"hidden_cpu_features": cpu_mask.HIDDEN} if args.hide_avx512 else {}),
+            "machine": harness.machine_info() | ({"hidden_cpu_features": cpu_mask.hidden(args.keep_avx_vnni)}
+                                                 if args.hide_avx512 else {}),
             "workers": {}, "methods": methods, "groups": list(groups),
             "prompts": [{k: p[k] for k in ("id", "category", "task", "language") if k in p} for p in prompts]}
     rows: list[dict] = []

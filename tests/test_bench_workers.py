@@ -50,3 +50,45 @@ def test_a_llamacpp_worker_that_dies_after_it_started_is_judged_by_its_own_kerne
     message = str(exc.value)
     assert message.startswith("error: worker llamacpp exited (status -11)")
     assert ("LLAMACPP_ISA=native-no-amx" in message) is hint
+
+
+CPUID_BITS = r"""
+#include <cpuid.h>
+#include <stdio.h>
+int main(void) {
+    unsigned a, b, c, d, a1, b1, c1, d1;
+    __cpuid_count(7, 0, a, b, c, d);
+    __cpuid_count(7, 1, a1, b1, c1, d1);
+    printf("%u %u %u\n", (b >> 5) & 1, (b >> 16) & 1, (a1 >> 4) & 1);   /* AVX2, AVX512F, AVX-VNNI */
+    return 0;
+}
+"""
+
+
+def _cpu_can_hide_avx512_and_has_avx_vnni() -> bool:
+    import shutil
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    return {"cpuid_fault", "avx512f", "avx_vnni"} <= set(flags) and shutil.which("gcc") is not None
+
+
+@pytest.mark.skipif(not _cpu_can_hide_avx512_and_has_avx_vnni(),
+                    reason="needs a CPU with AVX-512 and AVX-VNNI that can make CPUID fault, and gcc")
+@pytest.mark.parametrize("keep, expected", [(False, "1 0 0"), (True, "1 0 1")])
+def test_the_cpu_mask_hides_avx512_and_leaves_avx_vnni_only_when_asked(tmp_path, keep, expected):
+    """bench/cpu_mask.py: what a program's own CPUID instruction answers under the mask: AVX2 stays,
+    AVX-512 goes, and AVX-VNNI (Intel's client cores since Alder Lake) stays only with keep_avx_vnni."""
+    import subprocess
+
+    import cpu_mask
+
+    (tmp_path / "bits.c").write_text(CPUID_BITS)
+    subprocess.run(["gcc", "-O1", "-o", str(tmp_path / "bits"), str(tmp_path / "bits.c")], check=True)
+    unmasked = subprocess.run([str(tmp_path / "bits")], capture_output=True, text=True, check=True).stdout.split()
+    assert unmasked == ["1", "1", "1"]
+    masked = subprocess.run([str(tmp_path / "bits")], env=cpu_mask.environment(keep_avx_vnni=keep),
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert masked == expected

@@ -10,6 +10,8 @@
  *
  * Code compiled for AVX-512 ahead of time is unaffected: build such peers without it.
  * SPECTR_CPUID_LOG=1 prints each CPUID leaf answered (to stderr), for checking.
+ * SPECTR_KEEP_AVX_VNNI=1 leaves AVX-VNNI (the VEX-encoded int8 dot product) visible: the instruction
+ * sets of Intel's client cores since Alder Lake, which have AVX2 and AVX-VNNI and no AVX-512.
  */
 #define _GNU_SOURCE
 #include <asm/prctl.h>
@@ -24,7 +26,7 @@
 #include <unistd.h>
 
 static struct sigaction previous;
-static int log_leaves;
+static int log_leaves, keep_avx_vnni;
 
 static void clear(unsigned *reg, const int *bits, int n) {
     for (int i = 0; i < n; i++) *reg &= ~(1u << bits[i]);
@@ -43,9 +45,9 @@ static void mask(unsigned leaf, unsigned sub, unsigned *a, unsigned *b, unsigned
         clear(c, ecx, 6);
         clear(d, edx, 7);
     } else if (leaf == 7 && sub == 1) {
-        static const int eax[] = {4, 5, 23};
+        static const int eax[] = {5, 23, 4};    /* AVX-VNNI last: kept with SPECTR_KEEP_AVX_VNNI=1 */
         static const int edx[] = {4, 19};
-        clear(a, eax, 3);
+        clear(a, eax, keep_avx_vnni ? 2 : 3);
         clear(d, edx, 2);
     }
 }
@@ -80,6 +82,8 @@ static void on_fault(int sig, siginfo_t *info, void *context) {
 __attribute__((constructor)) static void hide_avx512(void) {
     const char *env = getenv("SPECTR_CPUID_LOG");
     log_leaves = env && *env == '1';
+    const char *keep = getenv("SPECTR_KEEP_AVX_VNNI");
+    keep_avx_vnni = keep && *keep == '1';
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = on_fault;
