@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=12.0, help="adapt's training budget")
     ap.add_argument("--layers", type=int, default=None, help="adapt's trained layers [default: adapt's]")
     ap.add_argument("--lr", type=float, default=None, help="adapt's learning rate [default: adapt's]")
+    ap.add_argument("--greedy-weight", type=float, default=None, help="adapt's --greedy-weight [default: adapt's]")
     ap.add_argument("--report", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
 
@@ -73,6 +74,7 @@ def main() -> None:
            "--minutes", str(args.minutes)]
     cmd += ["--layers", str(args.layers)] if args.layers is not None else []
     cmd += ["--lr", str(args.lr)] if args.lr is not None else []
+    cmd += ["--greedy-weight", str(args.greedy_weight)] if args.greedy_weight is not None else []
     done = subprocess.run(cmd, text=True, capture_output=True)
     adapt_s = time.perf_counter() - started
     print(done.stdout + done.stderr)

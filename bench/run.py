@@ -252,6 +252,9 @@ def main(argv=None) -> None:
     ap.add_argument("--provider", default="cpu", help="spectr-edge's execution provider: cpu, cuda, tensorrt")
     ap.add_argument("--tree-bundle", "--int4-bundle", dest="tree_bundle", default=None,
                     help="the int4-target twin the suites compare (default models/default-int4)")
+    ap.add_argument("--adapted-bundle", dest="adapted", action="append", default=None,
+                    help="adaptation suite: a bundle whose adapted draft to compare (repeat for several; "
+                         "default models/default-adapted)")
     ap.add_argument("--all-configs", action="store_true", help="spectr-grid: also the dominated k x L rows")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens: minutes, for development")
     ap.add_argument("--checkout", default=None,
@@ -269,7 +272,7 @@ def main(argv=None) -> None:
         raise SystemExit("error: --keep-avx-vnni only applies with --hide-avx512; add --hide-avx512")
     if args.hide_avx512:
         cpu_mask.check(args.keep_avx_vnni)
-    methods = suite(args.suite, args.all_configs, args.tree_bundle)
+    methods = suite(args.suite, args.all_configs, args.tree_bundle, args.adapted)
     if args.checkout:
         checkout = str(Path(args.checkout).resolve())
         methods = [x for m in methods for x in ([m, in_checkout(m, checkout, "other checkout")]

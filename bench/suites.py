@@ -160,8 +160,10 @@ def peers_suite(int4_bundle) -> list[dict]:
     return [{**m, "group": g} for g, ms in groups.items() for m in ms]
 
 
-def suite(name: str, all_configs: bool = False, other_bundle: str | None = None) -> list[dict]:
-    """The methods of suite `name`; other_bundle replaces the int4 twin where a suite uses one."""
+def suite(name: str, all_configs: bool = False, other_bundle: str | None = None,
+          adapted: list | None = None) -> list[dict]:
+    """The methods of suite `name`; other_bundle replaces the int4 twin where a suite uses one; adapted:
+    the bundles whose adapted drafts the adaptation suite compares (default models/default-adapted)."""
     int4 = other_bundle or INT4_BUNDLE
     q = lambda m: on_bundle(m, int4, "int4 target")  # noqa: E731
     if name == "default":
@@ -205,9 +207,11 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None)
     if name == "peers":
         return peers_suite(int4)
     if name == "adaptation":
-        adapted = {**on_bundle(spectr_default(0.0), ADAPTED, "adapted draft"),
-                   "own_baseline": "spectr-edge T=0 target-only"}
-        return [spectr(0.0, 0), spectr_default(0.0), adapted]
+        bundles = [Path(b) for b in adapted or [ADAPTED]]
+        tag = lambda b: "adapted draft" if len(bundles) == 1 else f"adapted draft: {b.name}"  # noqa: E731
+        return [spectr(0.0, 0), spectr_default(0.0)] + [
+            {**on_bundle(spectr_default(0.0), b, tag(b)), "own_baseline": "spectr-edge T=0 target-only"}
+            for b in bundles]
     if name == "gpu":           # what a GPU changes: wide verification at about the cost of one decode
         return [spectr(0.0, 0), spectr(0.0, 1, 6), spectr_default(0.0), tree_method(0.0, 16, 6),
                 tree_method(0.0, 32, 8), spectr(1.0, 0), spectr(1.0, 1, 4), spectr(1.0, 4, 4),

@@ -8,7 +8,8 @@ decoding's distillation, run on what `--record DIR` kept (spectr_edge/recording.
 2. The draft's float32 weights are loaded from its source (the preset's GGUF, or --draft-source) and
    its last `layers` decoder layers and final norm are trained (the embeddings and LM head stay
    frozen) to minimize the cross-entropy from the target's recorded top-k distribution (renormalized
-   over its k tokens) at every recorded position, for at most `minutes`; the generations of 15% of
+   over its k tokens) at every recorded position, plus greedy_weight times the cross-entropy to the
+   target's greedy token (its top-1), for at most `minutes`; the generations of 15% of
    the training prompts are set aside, and training keeps the weights of their best loss (after each
    pass, and after the pass the budget cuts short) and stops when it has not improved for two passes.
    A sequence's frozen layers run once: later passes and validations start at the first trained layer
@@ -234,9 +235,11 @@ def quantized_weights(model, rounding: tuple[int, int], trained_layers: int = 0)
 
 
 # -- training ---------------------------------------------------------------------------------------
-def _loss(model, s: Sequence, frozen: FrozenLayers | None = None, key=None):
-    """Cross-entropy from the target's renormalized top-k to the model, over s's recorded positions.
-    frozen, key: run the model through `frozen`, which keeps s's hidden state under `key`."""
+def _loss(model, s: Sequence, frozen: FrozenLayers | None = None, key=None, top1: float = 0.0):
+    """Cross-entropy from the target's renormalized top-k to the model, over s's recorded positions,
+    plus top1 times the cross-entropy to the target's greedy token (its top-1: what greedy acceptance
+    asks the draft's argmax to equal). frozen, key: run the model through `frozen`, which keeps s's
+    hidden state under `key`."""
     import torch
 
     ids = torch.tensor([s.ids[:-1]], dtype=torch.long)
@@ -244,7 +247,9 @@ def _loss(model, s: Sequence, frozen: FrozenLayers | None = None, key=None):
     logits = (model(input_ids=ids, logits_to_keep=n) if frozen is None else frozen(model, key, ids, n)).logits
     logq = torch.log_softmax(logits[0, -n:].float(), dim=-1)                              # [n, W]
     top = torch.from_numpy(s.top_ids.astype(np.int64))
-    return -(torch.from_numpy(s.top_p) * logq.gather(1, top)).sum(dim=1).mean()
+    picked = logq.gather(1, top)                                                          # [n, k]
+    soft = -(torch.from_numpy(s.top_p) * picked).sum(dim=1).mean()
+    return soft - top1 * picked[:, 0].mean() if top1 else soft
 
 
 class FrozenLayers:
@@ -287,21 +292,22 @@ class FrozenLayers:
 
 def train(model, seqs: list[Sequence], layers: int, minutes: float, lr: float, max_steps: int | None,
           seed: int, log: Callable[[str], None], validation: list[Sequence] = (), patience: int = 2,
-          rounding: tuple[int, int] | None = None) -> dict:
+          rounding: tuple[int, int] | None = None, top1: float = 0.0) -> dict:
     """Train the last `layers` decoder layers and the final norm of a transformers causal LM on the
     target's recorded distributions; stops after `minutes` or `max_steps` sequence steps, or when the
     loss on `validation` has not improved for `patience` passes, and keeps the weights of its best
     validation loss (measured after every pass, and once more when the budget ends a pass early: the
     time budget keeps back what one validation takes, so the last partial pass is not lost).
     rounding: (bits, block) of the draft's quantized weights: training and validation see the weights
-    so rounded (quantized_weights), so what is learnt survives the re-quantization."""
+    so rounded (quantized_weights), so what is learnt survives the re-quantization. top1: the weight of
+    the cross-entropy to the target's greedy token added to the loss (_loss)."""
     with quantized_weights(model, rounding, layers) if rounding else nullcontext():
-        report = _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, patience)
+        report = _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, patience, top1)
     report["rounded_weights"] = {"bits": rounding[0], "block": rounding[1]} if rounding else None
     return report
 
 
-def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, patience) -> dict:
+def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, patience, top1=0.0) -> dict:
     import torch
 
     torch.manual_seed(seed)
@@ -325,7 +331,7 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
     def validate() -> float:
         model.eval()
         with torch.no_grad():
-            value = float(np.mean([_loss(model, v, frozen, ("validation", j)).item()
+            value = float(np.mean([_loss(model, v, frozen, ("validation", j), top1).item()
                                    for j, v in enumerate(validation)]))
         model.train()
         return value
@@ -338,7 +344,8 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
         model.eval()
         return {"steps": steps, "seconds": round(time.perf_counter() - started, 1), "first_loss": round(losses[0], 4),
                 "last_loss": round(float(np.mean(losses[-20:])), 4), "layers": layers, "lr": lr, "passes": passes,
-                "validation_loss": None if best_state is None else round(best, 4), "stopped": reason}
+                "validation_loss": None if best_state is None else round(best, 4), "stopped": reason,
+                "greedy_weight": top1}
 
     def check(label: str) -> bool:
         """Validate the weights as they are, keep them if best; whether training should stop."""
@@ -359,7 +366,7 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
     while True:
         rng.shuffle(order)
         for k, i in enumerate(order):
-            loss = _loss(model, seqs[i], frozen, i)
+            loss = _loss(model, seqs[i], frozen, i, top1)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -409,7 +416,7 @@ def _spec(directory: Path, entry: dict):
 def adapt_bundle(bundle, recording_dir, draft_source: str | None = None, minutes: float = 15.0, layers: int = 4,
                  held_out: float = 0.2, lr: float = 1e-5, max_context: int = 384, max_steps: int | None = None,
                  seed: int = 0, threads: int | None = None, dry_run: bool = False, quant_aware: bool = True,
-                 log: Callable[[str], None] = print) -> dict:
+                 greedy_weight: float = 0.0, log: Callable[[str], None] = print) -> dict:
     """Adapt the bundle's draft on the recorded traffic; install it when it accepts more on held-out
     records. Returns a report (both acceptances, training, installed or not)."""
     from spectr_edge import recording
@@ -467,7 +474,8 @@ def adapt_bundle(bundle, recording_dir, draft_source: str | None = None, minutes
         seen = f", seeing its weights rounded to {rounding[0]} bits as the re-export will" if rounding else ""
         with progress.step(f"training the draft's last {layers} layers on the target's distributions{seen} "
                            f"(at most {minutes:g} min)"):
-            training = train(model, fit, layers, minutes, lr, max_steps, seed, log, validation, rounding=rounding)
+            training = train(model, fit, layers, minutes, lr, max_steps, seed, log, validation, rounding=rounding,
+                             top1=greedy_weight)
             log(f"      {training['steps']} steps, {training['passes']} passes, training loss {training['first_loss']:.3f} "
                 f"-> {training['last_loss']:.3f}; stopped: {training['stopped']}")
         adapted_dir = work / "adapted-hf"

@@ -500,9 +500,12 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
 @click.option("--quant-aware/--float-training", default=True, show_default=True,
               help="Train an int4 or int8 draft seeing its weights rounded as the re-export will round them "
                    "(straight-through gradients), so that what it learns survives the quantization.")
+@click.option("--greedy-weight", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Weight of the cross-entropy to the target's greedy token, added to the loss on its recorded "
+                   "distribution: aims the training at greedy acceptance.")
 @click.option("--dry-run", is_flag=True, help="Train and measure, but leave the bundle unchanged.")
 def adapt(bundle, recording_dir, draft_source, minutes, layers, held_out, lr, max_steps, threads, quant_aware,
-          dry_run):
+          greedy_weight, dry_run):
     """Adapt the bundle's draft to recorded traffic (the target's recorded distributions as teacher);
     installed only when it accepts more on held-out records."""
     _require_export_extra(["torch", "transformers", "optimum.exporters.onnx", "onnx", "onnx_ir", "gguf"])
@@ -512,7 +515,7 @@ def adapt(bundle, recording_dir, draft_source, minutes, layers, held_out, lr, ma
     from spectr_edge_export.adapt import adapt_bundle
     adapt_bundle(path, recording_dir, draft_source=draft_source, minutes=minutes, layers=layers, held_out=held_out,
                  lr=lr, max_steps=max_steps, threads=threads, dry_run=dry_run, quant_aware=quant_aware,
-                 log=click.echo)
+                 greedy_weight=greedy_weight, log=click.echo)
 
 
 def _require_export_extra(modules: list[str]) -> None:
