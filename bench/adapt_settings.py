@@ -7,9 +7,9 @@ generations decide adapt's install, and a setting picked for them would make tha
 
     .venv/bin/python bench/adapt_settings.py --from models/default-adapted.recording 4,1e-5,2 4,1e-5,2,rounded
 
-Each setting is LAYERS,LR,PASSES[,rounded][,top1=W] (the last LAYERS decoder layers trained, AdamW at LR,
+Each setting is LAYERS,LR,PASSES[,rounded][,greedy=W] (the last LAYERS decoder layers trained, AdamW at LR,
 PASSES passes, the weights of the best validation loss kept; `rounded`: training sees the weights rounded
-as the bundle's int4 or int8 draft holds them, adapt's default; `top1=W`: W times the cross-entropy to the
+as the bundle's int4 or int8 draft holds them, adapt's default; `greedy=W`: W times the cross-entropy to the
 target's greedy token is added to the loss). Acceptance is printed with float32 weights and
 with the weights so rounded (what the re-exported draft computes, up to its int8 activations). Needs the export extra (torch, transformers); about 3 min a pass for 4 layers on 2 cores.
 """
@@ -50,7 +50,7 @@ def main() -> None:
                     help="where the draft's float32 weights are converted to (kept between runs)")
     ap.add_argument("--on", choices=("validation", "held-out"), default="validation",
                     help="the generations acceptance is measured on [default: validation]")
-    ap.add_argument("settings", nargs="+", help="LAYERS,LR,PASSES[,rounded][,top1=W]")
+    ap.add_argument("settings", nargs="+", help="LAYERS,LR,PASSES[,rounded][,greedy=W]")
     args = ap.parse_args()
 
     import torch
@@ -73,10 +73,10 @@ def main() -> None:
     for setting in args.settings:
         layers, lr, passes, *mode = setting.split(",")
         aware = "rounded" in mode
-        weights = [m for m in mode if m.startswith("top1=")]
+        weights = [m for m in mode if m.startswith("greedy=")]
         if len(mode) != aware + len(weights) or len(weights) > 1:
-            raise SystemExit(f"{setting}: the fields after PASSES can only be 'rounded' and 'top1=W'")
-        top1 = float(weights[0].split("=", 1)[1]) if weights else 0.0
+            raise SystemExit(f"{setting}: the fields after PASSES can only be 'rounded' and 'greedy=W'")
+        greedy_weight = float(weights[0].split("=", 1)[1]) if weights else 0.0
         if aware and rounding is None:
             raise SystemExit(f"{setting}: the bundle's draft is not int4 or int8, there is nothing to round")
         model = AutoModelForCausalLM.from_pretrained(str(args.hf), dtype=torch.float32).eval()
@@ -86,7 +86,8 @@ def main() -> None:
         # the budget ends with the last pass: its validation runs, and the best validated weights are kept
         training = adapt.train(model, fit, int(layers), 600.0, float(lr), int(passes) * len(fit), 0,
                                lambda s: print(s, flush=True) if "pass" in s or "before" in s else None,
-                               validation, patience=int(passes), rounding=rounding if aware else None, top1=top1)
+                               validation, patience=int(passes), rounding=rounding if aware else None,
+                               greedy_weight=greedy_weight)
         after = greedy_acceptance(model, measured)
         print(f"{setting}: {time.perf_counter() - started:.0f} s, validation loss {training['validation_loss']}; "
               f"{args.on} greedy acceptance, float32 weights: {show(before)} -> {show(after)}", flush=True)

@@ -38,6 +38,13 @@ def hidden(keep_avx_vnni: bool = False) -> str:
             f"{'' if keep_avx_vnni else 'AVX-VNNI, '}AMX")
 
 
+def running_masked() -> str | None:
+    """What the mask hides from this process, in words, or None when it runs unmasked."""
+    if LIBRARY.name not in os.environ.get("LD_PRELOAD", ""):
+        return None
+    return hidden(os.environ.get(KEEP_AVX_VNNI) == "1")
+
+
 def library() -> Path:
     """The preload library, compiled when missing or older than its source."""
     if not Path("/proc/cpuinfo").is_file() or "cpuid_fault" not in Path("/proc/cpuinfo").read_text():
@@ -58,11 +65,13 @@ def environment(base: dict | None = None, keep_avx_vnni: bool = False) -> dict:
     """An environment whose processes run with AVX-512 hidden (preloaded before anything else)."""
     env = dict(os.environ if base is None else base)
     env["LD_PRELOAD"] = " ".join([str(library())] + env.get("LD_PRELOAD", "").split())
-    if keep_avx_vnni:
-        env[KEEP_AVX_VNNI] = "1"
-    else:
-        env.pop(KEEP_AVX_VNNI, None)
+    env[KEEP_AVX_VNNI] = "1" if keep_avx_vnni else "0"
     return env
+
+
+def command(cmd: list[str], keep_avx_vnni: bool = False) -> list[str]:
+    """cmd run with AVX-512 hidden (through env(1): for a subprocess started with its own command line)."""
+    return ["env", f"LD_PRELOAD={library()}", f"{KEEP_AVX_VNNI}={int(keep_avx_vnni)}"] + cmd
 
 
 def seen_by_numpy(env: dict | None = None) -> dict[str, bool]:

@@ -111,10 +111,10 @@ def machine_info() -> dict:
         info["memory_gib"] = round(int(mem[0].split()[1]) / 2**20, 1) if mem else None
     except OSError:
         info["cpu"] = platform.processor()
-    if "hide_avx512" in os.environ.get("LD_PRELOAD", ""):      # bench/cpu_mask.py runs this process
-        kept = os.environ.get("SPECTR_KEEP_AVX_VNNI") == "1"
-        info["hidden_cpu_features"] = (f"AVX-512, {'' if kept else 'AVX-VNNI, '}AMX (bench/cpu_mask.py): "
-                                       f"AVX2{' and AVX-VNNI' if kept else ''} kernels")
+    import cpu_mask
+    masked = cpu_mask.running_masked()
+    if masked:                                                 # bench/cpu_mask.py runs this process
+        info["hidden_cpu_features"] = f"{masked} (bench/cpu_mask.py)"
     try:
         info["git_commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                             capture_output=True, text=True, check=True).stdout.strip()

@@ -191,8 +191,7 @@ def start_workers(members: list[dict], args, log) -> tuple[dict, dict]:
         if why is None:
             cmd = worker_command(key, args)
             if args.hide_avx512:       # every worker runs the kernels of an AVX2-only CPU
-                cmd = ["env", f"LD_PRELOAD={cpu_mask.library()}",
-                       f"{cpu_mask.KEEP_AVX_VNNI}={int(args.keep_avx_vnni)}"] + cmd
+                cmd = cpu_mask.command(cmd, args.keep_avx_vnni)
             try:
                 workers[key] = Worker(key, cmd, log)
             except SystemExit as err:   # the worker printed its traceback into log.txt

@@ -235,10 +235,10 @@ def quantized_weights(model, rounding: tuple[int, int], trained_layers: int = 0)
 
 
 # -- training ---------------------------------------------------------------------------------------
-def _loss(model, s: Sequence, frozen: FrozenLayers | None = None, key=None, top1: float = 0.0):
+def _loss(model, s: Sequence, frozen: FrozenLayers | None = None, key=None, greedy_weight: float = 0.0):
     """Cross-entropy from the target's renormalized top-k to the model, over s's recorded positions,
-    plus top1 times the cross-entropy to the target's greedy token (its top-1: what greedy acceptance
-    asks the draft's argmax to equal). frozen, key: run the model through `frozen`, which keeps s's
+    plus greedy_weight times the cross-entropy to the target's greedy token (its top-1: what greedy
+    acceptance asks the draft's argmax to equal). frozen, key: run the model through `frozen`, which keeps s's
     hidden state under `key`."""
     import torch
 
@@ -249,7 +249,7 @@ def _loss(model, s: Sequence, frozen: FrozenLayers | None = None, key=None, top1
     top = torch.from_numpy(s.top_ids.astype(np.int64))
     picked = logq.gather(1, top)                                                          # [n, k]
     soft = -(torch.from_numpy(s.top_p) * picked).sum(dim=1).mean()
-    return soft - top1 * picked[:, 0].mean() if top1 else soft
+    return soft - greedy_weight * picked[:, 0].mean() if greedy_weight else soft
 
 
 class FrozenLayers:
@@ -292,22 +292,24 @@ class FrozenLayers:
 
 def train(model, seqs: list[Sequence], layers: int, minutes: float, lr: float, max_steps: int | None,
           seed: int, log: Callable[[str], None], validation: list[Sequence] = (), patience: int = 2,
-          rounding: tuple[int, int] | None = None, top1: float = 0.0) -> dict:
+          rounding: tuple[int, int] | None = None, greedy_weight: float = 0.0) -> dict:
     """Train the last `layers` decoder layers and the final norm of a transformers causal LM on the
     target's recorded distributions; stops after `minutes` or `max_steps` sequence steps, or when the
     loss on `validation` has not improved for `patience` passes, and keeps the weights of its best
     validation loss (measured after every pass, and once more when the budget ends a pass early: the
     time budget keeps back what one validation takes, so the last partial pass is not lost).
     rounding: (bits, block) of the draft's quantized weights: training and validation see the weights
-    so rounded (quantized_weights), so what is learnt survives the re-quantization. top1: the weight of
-    the cross-entropy to the target's greedy token added to the loss (_loss)."""
+    so rounded (quantized_weights), so what is learnt survives the re-quantization.
+    greedy_weight: the weight of the cross-entropy to the target's greedy token added to the loss (_loss)."""
     with quantized_weights(model, rounding, layers) if rounding else nullcontext():
-        report = _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, patience, top1)
+        report = _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, patience,
+                        greedy_weight)
     report["rounded_weights"] = {"bits": rounding[0], "block": rounding[1]} if rounding else None
     return report
 
 
-def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, patience, top1=0.0) -> dict:
+def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, patience,
+           greedy_weight=0.0) -> dict:
     import torch
 
     torch.manual_seed(seed)
@@ -331,7 +333,7 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
     def validate() -> float:
         model.eval()
         with torch.no_grad():
-            value = float(np.mean([_loss(model, v, frozen, ("validation", j), top1).item()
+            value = float(np.mean([_loss(model, v, frozen, ("validation", j), greedy_weight).item()
                                    for j, v in enumerate(validation)]))
         model.train()
         return value
@@ -345,7 +347,7 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
         return {"steps": steps, "seconds": round(time.perf_counter() - started, 1), "first_loss": round(losses[0], 4),
                 "last_loss": round(float(np.mean(losses[-20:])), 4), "layers": layers, "lr": lr, "passes": passes,
                 "validation_loss": None if best_state is None else round(best, 4), "stopped": reason,
-                "greedy_weight": top1}
+                "greedy_weight": greedy_weight}
 
     def check(label: str) -> bool:
         """Validate the weights as they are, keep them if best; whether training should stop."""
@@ -366,7 +368,7 @@ def _train(model, seqs, layers, minutes, lr, max_steps, seed, log, validation, p
     while True:
         rng.shuffle(order)
         for k, i in enumerate(order):
-            loss = _loss(model, seqs[i], frozen, i, top1)
+            loss = _loss(model, seqs[i], frozen, i, greedy_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -475,7 +477,7 @@ def adapt_bundle(bundle, recording_dir, draft_source: str | None = None, minutes
         with progress.step(f"training the draft's last {layers} layers on the target's distributions{seen} "
                            f"(at most {minutes:g} min)"):
             training = train(model, fit, layers, minutes, lr, max_steps, seed, log, validation, rounding=rounding,
-                             top1=greedy_weight)
+                             greedy_weight=greedy_weight)
             log(f"      {training['steps']} steps, {training['passes']} passes, training loss {training['first_loss']:.3f} "
                 f"-> {training['last_loss']:.3f}; stopped: {training['stopped']}")
         adapted_dir = work / "adapted-hf"

@@ -187,7 +187,7 @@ def test_a_budget_that_ends_a_pass_early_keeps_that_partial_pass_if_it_validates
 
 
 def test_the_greedy_term_adds_the_cross_entropy_to_the_targets_top1_and_pulls_the_argmax_to_it():
-    """_loss with top1=w: the soft cross-entropy over the target's top-k plus w times the cross-entropy
+    """_loss with greedy_weight=w: the soft cross-entropy over the target's top-k plus w times the cross-entropy
     to its first (greedy) token, computed here from the whole model's logits; w=0 is the soft loss alone.
     A gradient step on the greedy term alone raises the draft's log-probability of the greedy tokens."""
     import torch
@@ -202,18 +202,18 @@ def test_the_greedy_term_adds_the_cross_entropy_to_the_targets_top1_and_pulls_th
     with torch.no_grad():
         logq = torch.log_softmax(model(input_ids=torch.tensor([s.ids[:-1]])).logits[0, 5:].double(), dim=-1).numpy()
         soft = _loss(model, s).item()
-        mixed = _loss(model, s, top1=0.5).item()
+        mixed = _loss(model, s, greedy_weight=0.5).item()
     rows = np.arange(10)
     expected_soft = -(p * logq[rows[:, None], top]).sum(axis=1).mean()
     expected_greedy = -logq[rows, top[:, 0]].mean()
     assert soft == pytest.approx(expected_soft, abs=1e-5)
     assert mixed == pytest.approx(expected_soft + 0.5 * expected_greedy, abs=1e-5)
-    assert _loss(model, s, top1=0.0).item() == soft
+    assert _loss(model, s, greedy_weight=0.0).item() == soft
 
-    greedy_only = lambda: (_loss(model, s, top1=1.0) - _loss(model, s)).item()   # noqa: E731
+    greedy_only = lambda: (_loss(model, s, greedy_weight=1.0) - _loss(model, s)).item()   # noqa: E731
     before = greedy_only()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    (_loss(model, s, top1=1.0) - _loss(model, s)).backward()
+    (_loss(model, s, greedy_weight=1.0) - _loss(model, s)).backward()
     opt.step()
     assert greedy_only() < before - 1e-3
 
