@@ -12,6 +12,8 @@ own target-only, or another bundle's), group (methods that must fit in memory to
                  and ORT GenAI's int4 target
     int4-peers   the int4 bundle's default and its draft model against its target-only and llama.cpp's Q4
                  decode (48 prompts)
+    int4-tuned   the int4 bundle's default as shipped against a copy tuned on this machine (--int4-bundle,
+                 after `spectr-edge tune`), both against the same target-only and llama.cpp's Q4 decode
     spectr-grid  SpecTr's k x L grid, greedy and at temperature 1
     trees        the float32 default chain against OPT-Trees and side leaves (greedy); k = 1 against
                  SpecTr k = 2 and Sequoia trees (temperature 1)
@@ -41,8 +43,8 @@ ADAPTATION_PROMPTS = ("de:ids-141,145,149,153,157,381,385,389,393,397,451,457,46
                       "+ids-101,161,241,481")
 PROMPTS = {"adaptation": ADAPTATION_PROMPTS, "spectr-grid": "first-20", "peers": "stratified-1",
            "policies": "stratified-1", "trees": "stratified-2",
-           "int4-peers": "stratified-8", "precisions": "stratified-2", "prefill": "stratified-2",
-           "guess": "stratified-8"}           # the Spec-Bench prompt subset of each suite (default stratified-4)
+           "int4-peers": "stratified-8", "int4-tuned": "stratified-2", "precisions": "stratified-2",
+           "prefill": "stratified-2", "guess": "stratified-8"}   # each suite's Spec-Bench prompts (default stratified-4)
 
 
 # -- methods --------------------------------------------------------------------------------------
@@ -179,6 +181,10 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None,
         return out + [LLAMACPP_Q4(), ORTGENAI_INT4()]
     if name == "int4-peers":   # + the draft model before prompt lookup, the drafter the default does not use
         return precision_rows(int4, "int4 target") + [q(lookup(0.0, "model+lookup")), LLAMACPP_Q4(), ORTGENAI_INT4()]
+    if name == "int4-tuned":    # the tuned copy's default against the shipped one's, one target-only for both
+        shipped = on_bundle(spectr_default(0.0), INT4_BUNDLE, "int4 target, as shipped")
+        shipped["own_baseline"] = "spectr-edge T=0 target-only [int4 target]"
+        return precision_rows(int4, "int4 target") + [shipped, LLAMACPP_Q4()]
     if name == "spectr-grid":   # k in {1,2,4} x L in {2,3,4,6}, greedy and T=1, plus the defaults
         out = [spectr(0.0, 0)] + [spectr(0.0, 1, L) for L in (2, 3, 4, 6)] + [spectr_default(0.0)]
         out += [spectr(1.0, 0)] + [spectr(1.0, 1, L) for L in (2, 3, 4, 6)]
@@ -217,4 +223,4 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None,
                 tree_method(0.0, 32, 8), spectr(1.0, 0), spectr(1.0, 1, 4), spectr(1.0, 4, 4),
                 tree_method(1.0, 16, 5), tree_method(1.0, 32, 6)]
     raise SystemExit(f"error: unknown suite {name!r}; use one of default, policies, precisions, int4-peers, "
-                     "spectr-grid, trees, guess, prefill, peers, gpu, adaptation")
+                     "int4-tuned, spectr-grid, trees, guess, prefill, peers, gpu, adaptation")

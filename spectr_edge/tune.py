@@ -61,20 +61,23 @@ RACE_FINALISTS = 4
 CONTEXT = 128          # past tokens before the timed calls: a short chat prompt
 
 
-def _time_calls(model, cache_len: int, sizes, repeats: int, vocab: int, rng) -> dict[int, float]:
+def _time_calls(model, cache_len: int, sizes, repeats: int, vocab: int, rng, gap_s: float = 0.0) -> dict[int, float]:
     """Median seconds of one forward of n tokens after a cache_len-token past, for each n in sizes.
 
     The sizes take turns: round r times one call of every size (reversed order on odd rounds), so
     a slow spell of the machine (another job, the disk writing back) lands on a round of every
     size alike, where the median over rounds drops it, instead of on every call of one size (the
     size-by-size schedule once measured a 1-token int4 call at 167 ms against 45 ms for 2 tokens,
-    which made every longer call look free). Round 0 is the warm-up of every shape."""
+    which made every longer call look free). Round 0 is the warm-up of every shape. gap_s: idle
+    seconds before each call (not timed), as generation's host work leaves between its calls."""
     cache = model.new_cache()
     model.forward(rng.integers(0, vocab, (1, cache_len)).astype(np.int64), cache)   # the past
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(repeats + 1):
         for n in (sizes if r % 2 == 0 else sizes[::-1]):
             ids = rng.integers(0, vocab, (1, n)).astype(np.int64)
+            if gap_s:
+                time.sleep(gap_s)
             started = time.perf_counter()
             model.forward(ids, cache)
             elapsed = time.perf_counter() - started
