@@ -1,5 +1,6 @@
 """The int4 target's speed levers, side by side: quantization layouts, MatMulNBits' compute type,
-an 8-bit LM head, threads and spinning, each against the bundle's int4 target as built.
+an 8-bit LM head, threads and spinning, OpenVINO's execution provider, each against the bundle's int4
+target as built.
 
     .venv/bin/python bench/int4_levers.py models/default models/default-int4 --name int4-levers
 
@@ -17,6 +18,10 @@ graph is written under bench/results/<date>-<name>/graphs/ (removed at the end u
 
 Quantizing a layout from the float32 1.5B target takes 1-2 minutes and about 22 GB: variants are made
 one at a time, before any timing. Prints a table and writes levers.json and table.md.
+
+The "OpenVINO EP" variant runs the same graph through ONNX Runtime's OpenVINO execution provider plugin
+(`.venv/bin/pip install onnxruntime-ep-openvino`, 53 MB with its OpenVINO runtime) on the CPU; the
+nodes it does not take stay on ONNX Runtime's CPU provider.
 """
 
 from __future__ import annotations
@@ -57,7 +62,27 @@ VARIANTS = {
     "projections merged": {"from": "int4", "merge": True},          # export/merge_ops.py, on a bundle without it
     "skip norms": {"from": "int4", "norms": True},
     "fewer ops": {"from": "int4", "merge": True, "norms": True},    # both: what an export now writes
+    "OpenVINO EP": {"from": "int4", "openvino": True},
 }
+
+
+def openvino_session(path: Path):
+    """A session of `path` on the OpenVINO execution provider plugin's CPU device."""
+    import onnxruntime as ort
+    try:
+        import onnxruntime_ep_openvino as plugin
+    except ImportError:
+        raise SystemExit("error: the OpenVINO EP variant needs its plugin: .venv/bin/pip install "
+                         "onnxruntime-ep-openvino") from None
+    if not any(d.ep_name == plugin.get_ep_name() for d in ort.get_ep_devices()):
+        ort.register_execution_provider_library("openvino", plugin.get_library_path())
+    cpu = [d for d in ort.get_ep_devices()
+           if d.ep_name == plugin.get_ep_name() and d.ep_metadata.get("ov_device") == "CPU"]
+    if not cpu:
+        raise SystemExit("error: the OpenVINO EP plugin found no CPU device on this machine")
+    options = ort.SessionOptions()
+    options.add_provider_for_devices(cpu[:1], {})
+    return ort.InferenceSession(str(path), sess_options=options)
 
 
 def set_accuracy(src: Path, dst: Path, level: int) -> None:
@@ -238,6 +263,9 @@ def main(argv=None) -> None:
                                    min_call_tokens=quantize.min_call_tokens(path),
                                    call_multiple=quantize.call_token_multiple(path))
         lm = OnnxLM(spec, provider="cpu", threads=v.get("threads"), spinning=v.get("spinning", True))
+        if v.get("openvino"):          # the same graph and I/O, its session on the OpenVINO plugin
+            lm.session = openvino_session(path)
+            print(f"  {name}: providers {lm.session.get_providers()}", flush=True)
         lp = scores(lm, chunks, width)
         agree = np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(ref_lp, lp)]))
         kl = np.mean(np.concatenate([(np.exp(a) * (a - b)).sum(-1) for a, b in zip(ref_lp, lp)]))
@@ -252,7 +280,7 @@ def main(argv=None) -> None:
     base = ms[names[0]]["2"]
     machine = harness.machine_info()
     lines = [f"`{' '.join(['.venv/bin/python bench/int4_levers.py'] + [str(a) for a in (argv or sys.argv[1:])])}`",
-             f"({machine.get('cpu', '?')}" + (f", {machine['hidden_cpu_features']}" if machine.get("hidden_cpu_features")
+             f"({machine.get('cpu', '?')}" + (f", hidden: {machine['hidden_cpu_features']}" if machine.get("hidden_cpu_features")
                                              else "") + f"; past {args.past} tokens, medians of "
              f"{args.rounds} x {args.calls} calls per size)", "",
              "| variant | ms: 1 row raw | 2 (a decode) | 4 | 8 | decode vs " + names[0] + " | top-1 vs float32 | KL | file MiB |",
