@@ -1,6 +1,6 @@
 """The int4 target's speed levers, side by side: quantization layouts, MatMulNBits' compute type,
-an 8-bit LM head, threads and spinning, OpenVINO's execution provider, each against the bundle's int4
-target as built.
+an 8-bit LM head or 8-bit weights, threads and spinning, OpenVINO's execution provider, each against
+the bundle's int4 target as built.
 
     .venv/bin/python bench/int4_levers.py models/default models/default-int4 --name int4-levers
 
@@ -52,6 +52,7 @@ VARIANTS = {
     "as built": {"from": "int4"},
     "compute float32 (accuracy 1)": {"from": "int4", "accuracy_level": 1},
     "LM head 8-bit": {"from": "float32", "lm_head_bits": 8},
+    "8-bit weights": {"from": "float32", "quant": "int8"},         # the int8 precision's MatMulNBits
     "block 32": {"from": "float32", "block_size": 32},
     "block 64": {"from": "float32", "block_size": 64},
     "block 256": {"from": "float32", "block_size": 256},
@@ -160,7 +161,7 @@ def make_variants(float32_spec, int4_spec, names: list[str], graphs: Path) -> di
             set_accuracy(int4_spec.file, out, v["accuracy_level"])
         else:
             print(f"quantizing {name} from {float32_spec.file} ...", flush=True)
-            quantize.quantize(float32_spec.file, out, "int4", v.get("block_size", quantize.INT4_BLOCK_SIZE),
+            quantize.quantize(float32_spec.file, out, v.get("quant", "int4"), v.get("block_size", quantize.INT4_BLOCK_SIZE),
                               symmetric=v.get("symmetric", quantize.INT4_SYMMETRIC),
                               lm_head_bits=v.get("lm_head_bits"))
             gc.collect()
@@ -261,7 +262,8 @@ def main(argv=None) -> None:
         path = files[name]
         spec = dataclasses.replace(q4.target, file=path, size_bytes=None,
                                    min_call_tokens=quantize.min_call_tokens(path),
-                                   call_multiple=quantize.call_token_multiple(path))
+                                   call_multiple=quantize.call_token_multiple(path),
+                                   guess=q4.target.guess if v["from"] == "int4" else None)   # made from float32: no guess head
         lm = OnnxLM(spec, provider="cpu", threads=v.get("threads"), spinning=v.get("spinning", True))
         if v.get("openvino"):          # the same graph and I/O, its session on the OpenVINO plugin
             lm.session = openvino_session(path)
