@@ -23,6 +23,7 @@ from . import options as check
 from .bundle import Bundle, read_bundle
 from .engine import Engine
 from .errors import BundleError, InputError
+from .huge_pages import back_with_huge_pages
 from .ngram_table import NgramTable
 from .onnx_model import OnnxLM, TensorRTSettings
 from .options import DEFAULT_MAX_NEW_TOKENS, DecodeOptions, resolve, tuned_options  # noqa: F401 (API)
@@ -51,7 +52,8 @@ class Generator:
 
     def __init__(self, bundle: Bundle, provider: str = "auto", draft_provider: str | None = None,
                  threads: int | None = None, load_draft: bool = True, tensorrt: TensorRTSettings | None = None,
-                 prefix_cache: bool | PrefixCache = True, record: str | os.PathLike | Recorder | None = None):
+                 prefix_cache: bool | PrefixCache = True, record: str | os.PathLike | Recorder | None = None,
+                 huge_pages: bool = True):
         threads = check.threads(threads)
         self.bundle = bundle
         self.codec = TextCodec(bundle.tokenizer)
@@ -59,6 +61,8 @@ class Generator:
         self.draft = None
         if load_draft and bundle.draft is not None:
             self.draft = OnnxLM(bundle.draft, draft_provider or provider, threads, spinning=False, tensorrt=tensorrt)
+        if check.flag(huge_pages, "huge_pages") and "CPU" in (self.target.provider, getattr(self.draft, "provider", None)):
+            back_with_huge_pages()      # the CPU sessions' weights in 2 MiB pages (huge_pages.py)
         target_entry = bundle.manifest["models"]["target"]
         cost = CostCurve.for_quant(bundle.target.quant, target_entry.get("cost_curve"))
         draft_cost, draft_rows = None, None
@@ -227,12 +231,14 @@ async def _async_iter(sync_iter):
 
 def load(path: str | os.PathLike | None = None, provider: str = "auto", draft_provider: str | None = None,
          threads: int | None = None, load_draft: bool = True, tensorrt: TensorRTSettings | None = None,
-         prefix_cache: bool | PrefixCache = True, record: str | os.PathLike | Recorder | None = None) -> Generator:
+         prefix_cache: bool | PrefixCache = True, record: str | os.PathLike | Recorder | None = None,
+         huge_pages: bool = True) -> Generator:
     """Load a bundle (default: models/default) with the given execution providers (per model: the draft
     may run on another device than the target); tensorrt: engine cache, fp16, workspace; prefix_cache:
     keep recent generations' KV caches for prompts that extend them (False: off; a PrefixCache: its
     bounds); record: a directory where every generation's token ids and the target's top-k
     log-probabilities are appended (recording.py: the teacher signal a draft can be adapted on), or a
-    Recorder."""
+    Recorder; huge_pages: hold the CPU sessions' weights in 2 MiB pages (Linux 6.1+, best effort;
+    huge_pages.py)."""
     return Generator(read_bundle(path), provider, draft_provider, threads, load_draft, tensorrt, prefix_cache,
-                     record)
+                     record, huge_pages)

@@ -257,3 +257,28 @@ def test_top_ids_is_the_stable_top_k_and_leaves_the_logits_alone():
         assert np.array_equal(x, before)
     x.flags.writeable = False
     assert top_ids(x[0], 3).tolist() == np.argsort(-before[0], kind="stable")[:3].tolist()
+
+
+def test_huge_pages_keep_memory_intact():
+    """A 64 MiB array moved into huge pages holds the same bytes; what the kernel accepted is whole 2 MiB
+    pages of this process's anonymous memory and shows in its AnonHugePages (where MADV_COLLAPSE exists)."""
+    from spectr_edge.huge_pages import HUGE, back_with_huge_pages, huge_page_bytes
+
+    data = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
+    before = data.copy()
+    accepted = back_with_huge_pages(min_bytes=32 << 20)
+    assert accepted % HUGE == 0
+    assert np.array_equal(data, before)
+    if accepted:
+        assert huge_page_bytes() > 0
+
+
+def test_huge_pages_option(toy_dir):
+    """huge_pages=False loads without the advice, greedy output is the same either way, and a value that
+    is not a bool is a one-line error."""
+    bundle = toy_dir
+    with_pages = spectr_edge.load(bundle, provider="cpu", huge_pages=True).generate_ids([1, 2, 3], max_new_tokens=12)
+    without = spectr_edge.load(bundle, provider="cpu", huge_pages=False).generate_ids([1, 2, 3], max_new_tokens=12)
+    assert with_pages.token_ids == without.token_ids
+    with pytest.raises(InputError, match="huge_pages must be true or false"):
+        spectr_edge.load(bundle, provider="cpu", huge_pages="yes")

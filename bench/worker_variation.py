@@ -1,0 +1,148 @@
+"""How much a spectr-edge worker's speed depends on its process: the same bundle's greedy default, timed
+the two ways a benchmark suite could make two rows of it differ.
+
+--in-process: one process generates the prompts with the default alone, then with a target-only
+  generation of each prompt beside it (before it on even prompts, after it on odd ones, as bench/run.py
+  orders methods), then alone again. If target-only generations slowed the default sharing their
+  process, the middle pass would be the slowest.
+--pairs N: N times, two fresh worker processes of the same bundle are started one after the other and
+  the default alternates between them prompt by prompt (ABBA). Reports the first-started process's
+  ms/token over the second's (median of per-prompt ratios): how far two processes of one bundle differ,
+  and whether start order matters. --huge-pages off,on loads the first without spectr_edge.load's
+  huge_pages (the weights in 4 KiB pages) and the second with it.
+
+    .venv/bin/python bench/worker_variation.py models/default-int4 --in-process --pairs 3
+    .venv/bin/python bench/cpu_mask.py --keep-avx-vnni -- .venv/bin/python bench/worker_variation.py ...
+
+Under bench/cpu_mask.py the pairs' workers inherit the mask. Prints a line per pass or pair and writes
+--out as JSON. Greedy: every pass and process must produce the same tokens (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+import harness  # noqa: E402
+
+
+def load(bundle: str, prompts: str, huge_pages: bool = True):
+    import spectr_edge
+    from spectr_edge.text import TextCodec
+
+    gen = spectr_edge.load(bundle, provider="cpu", prefix_cache=False, huge_pages=huge_pages)
+    codec = TextCodec(gen.bundle.tokenizer)
+    ids = [codec.encode_prompt(p["prompt"]) for p in harness.select_prompts(harness.load_questions(), prompts)]
+    gen.generate_ids(ids[0], max_new_tokens=8)                       # warm-up
+    return gen, ids
+
+
+def timed(gen, ids, tokens: int, **options) -> tuple[float, list[int]]:
+    """ms/token after the first token, and the tokens."""
+    r = gen.generate_ids(ids, max_new_tokens=tokens, **options)
+    s = r.stats
+    return 1000 * (s.seconds_total - s.seconds_first_token) / max(1, s.new_tokens - 1), list(r.token_ids)
+
+
+def worker(bundle: str, prompts: str, tokens: int, huge_pages: bool) -> None:
+    """A pair's process: generates prompt i for each line i on stdin, answers one JSON line."""
+    gen, ids = load(bundle, prompts, huge_pages)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        ms, toks = timed(gen, ids[int(line)], tokens)
+        print(json.dumps({"ms": ms, "tokens": toks}), flush=True)
+
+
+def in_process(bundle: str, prompts: str, tokens: int) -> dict:
+    gen, ids = load(bundle, prompts)
+    passes, reference = {}, None
+    for name in ("default alone", "beside target-only", "default alone again"):
+        ms, toks = [], []
+        for i, p in enumerate(ids):
+            if name == "beside target-only" and i % 2 == 0:
+                timed(gen, p, tokens, num_candidates=0)
+            m, t = timed(gen, p, tokens)
+            if name == "beside target-only" and i % 2 == 1:
+                timed(gen, p, tokens, num_candidates=0)
+            ms.append(m)
+            toks.append(t)
+        reference = reference or toks
+        passes[name] = {"ms": ms, "same_tokens": sum(a == b for a, b in zip(toks, reference))}
+        print(f"in one process, {name}: {statistics.median(ms):.1f} ms/token (median over {len(ids)} prompts; "
+              f"same tokens as the first pass on {passes[name]['same_tokens']} of {len(ids)})", flush=True)
+    return passes
+
+
+def pairs(bundle: str, prompts: str, tokens: int, n: int, huge_pages: tuple[str, str]) -> list[dict]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), bundle, "--prompts", prompts, "-n", str(tokens), "--worker"]
+    count = len(harness.select_prompts(harness.load_questions(), prompts))
+    out = []
+    for k in range(n):
+        procs = []
+        try:
+            for setting in huge_pages:
+                proc = subprocess.Popen(cmd + ["--huge-pages", setting], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                if proc.stdout.readline().strip() != "ready":
+                    raise SystemExit("error: a worker process failed to start (its error is above)")
+                procs.append(proc)
+            ms, same = ([], []), 0
+            for i in range(count):
+                answers = []
+                for w in ((0, 1) if i % 2 == 0 else (1, 0)):
+                    procs[w].stdin.write(f"{i}\n")
+                    procs[w].stdin.flush()
+                    answer = json.loads(procs[w].stdout.readline())
+                    ms[w].append(answer["ms"])
+                    answers.append(answer["tokens"])
+                same += answers[0] == answers[1]
+        finally:
+            for proc in procs:
+                proc.stdin.close()
+                proc.wait()
+        ratios = [a / b for a, b in zip(*ms)]
+        out.append({"first": ms[0], "second": ms[1], "ratios": ratios, "same_tokens": same})
+        print(f"pair {k + 1} (huge pages {huge_pages[0]}, {huge_pages[1]}): first-started {statistics.median(ms[0]):.1f}, second {statistics.median(ms[1]):.1f} "
+              f"ms/token; first over second {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}, "
+              f"first slower on {sum(r > 1 for r in ratios)} of {count}); same tokens on {same} of {count}", flush=True)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bundle")
+    ap.add_argument("--prompts", default="stratified-2", help="Spec-Bench subset (bench/data/README.md)")
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    ap.add_argument("--in-process", action="store_true", help="the default alone, beside target-only, alone")
+    ap.add_argument("--pairs", type=int, default=0, help="fresh pairs of worker processes to compare")
+    ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    ap.add_argument("--huge-pages", default="on,on",
+                    help="the pair's load option huge_pages, first-started and second: on,on (default), off,on, ...")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    settings = tuple(args.huge_pages.split(","))
+    if args.worker:
+        return worker(args.bundle, args.prompts, args.max_new_tokens, settings[0] == "on")
+    if len(settings) != 2 or set(settings) - {"on", "off"}:
+        raise SystemExit(f"error: --huge-pages takes two of on/off, e.g. off,on (got {args.huge_pages!r})")
+    if not args.in_process and not args.pairs:
+        raise SystemExit("error: nothing to measure; pass --in-process and/or --pairs N")
+    result = {"machine": harness.machine_info(), "args": {k: str(v) for k, v in vars(args).items()}}
+    if args.in_process:
+        result["in_process"] = in_process(args.bundle, args.prompts, args.max_new_tokens)
+    if args.pairs:
+        result["pairs"] = pairs(args.bundle, args.prompts, args.max_new_tokens, args.pairs, settings)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
