@@ -58,7 +58,7 @@ def generate(gen, prompts, codec, options=None) -> dict:
     for p in prompts:
         r = gen.generate_ids(codec.encode_prompt(p["prompt"]), max_new_tokens=128, **(options or {}))
         s = r.stats
-        out[str(p["id"])] = {"ms": 1000 * (s.seconds_total - s.seconds_first_token) / max(1, s.new_tokens - 1),
+        out[str(p["id"])] = {"ms": s.ms_per_token,
                              "tokens_per_call": s.new_tokens / s.target_calls, "ids": list(r.token_ids)}
     return out
 

@@ -5,7 +5,8 @@ the two ways a benchmark suite could make two rows of it differ.
   generation of each prompt beside it (before it on even prompts, after it on odd ones, as bench/run.py
   orders methods), then alone again. If target-only generations slowed the default sharing their
   process, the middle pass would be the slowest.
---pairs N: N times, two fresh worker processes of the same bundle are started one after the other and
+--pairs N: N times, two fresh workers of the same bundle (bench/run.py's, bench/workers/spectr_worker.py)
+  are started one after the other and
   the default alternates between them prompt by prompt (ABBA). Reports the first-started process's
   ms/token over the second's (median of per-prompt ratios): how far two processes of one bundle differ,
   and whether start order matters. --huge-pages off,on loads the first without spectr_edge.load's
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,44 +34,28 @@ sys.path.insert(0, str(BENCH))
 import harness  # noqa: E402
 
 
-def load(bundle: str, prompts: str, huge_pages: bool = True):
+def in_process(bundle: str, prompts: str, tokens: int) -> dict:
     import spectr_edge
     from spectr_edge.text import TextCodec
 
-    gen = spectr_edge.load(bundle, provider="cpu", prefix_cache=False, huge_pages=huge_pages)
+    gen = spectr_edge.load(bundle, provider="cpu", prefix_cache=False)   # as bench/workers/spectr_worker.py
     codec = TextCodec(gen.bundle.tokenizer)
     ids = [codec.encode_prompt(p["prompt"]) for p in harness.select_prompts(harness.load_questions(), prompts)]
-    gen.generate_ids(ids[0], max_new_tokens=8)                       # warm-up
-    return gen, ids
+    gen.generate_ids(ids[0], max_new_tokens=8)                             # warm-up
 
+    def timed(p, **options) -> tuple[float, list[int]]:
+        r = gen.generate_ids(p, max_new_tokens=tokens, **options)
+        return r.stats.ms_per_token, list(r.token_ids)
 
-def timed(gen, ids, tokens: int, **options) -> tuple[float, list[int]]:
-    """ms/token after the first token, and the tokens."""
-    r = gen.generate_ids(ids, max_new_tokens=tokens, **options)
-    s = r.stats
-    return 1000 * (s.seconds_total - s.seconds_first_token) / max(1, s.new_tokens - 1), list(r.token_ids)
-
-
-def worker(bundle: str, prompts: str, tokens: int, huge_pages: bool) -> None:
-    """A pair's process: generates prompt i for each line i on stdin, answers one JSON line."""
-    gen, ids = load(bundle, prompts, huge_pages)
-    print("ready", flush=True)
-    for line in sys.stdin:
-        ms, toks = timed(gen, ids[int(line)], tokens)
-        print(json.dumps({"ms": ms, "tokens": toks}), flush=True)
-
-
-def in_process(bundle: str, prompts: str, tokens: int) -> dict:
-    gen, ids = load(bundle, prompts)
     passes, reference = {}, None
     for name in ("default alone", "beside target-only", "default alone again"):
         ms, toks = [], []
         for i, p in enumerate(ids):
             if name == "beside target-only" and i % 2 == 0:
-                timed(gen, p, tokens, num_candidates=0)
-            m, t = timed(gen, p, tokens)
+                timed(p, num_candidates=0)
+            m, t = timed(p)
             if name == "beside target-only" and i % 2 == 1:
-                timed(gen, p, tokens, num_candidates=0)
+                timed(p, num_candidates=0)
             ms.append(m)
             toks.append(t)
         reference = reference or toks
@@ -82,36 +66,41 @@ def in_process(bundle: str, prompts: str, tokens: int) -> dict:
 
 
 def pairs(bundle: str, prompts: str, tokens: int, n: int, huge_pages: tuple[str, str]) -> list[dict]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), bundle, "--prompts", prompts, "-n", str(tokens), "--worker"]
-    count = len(harness.select_prompts(harness.load_questions(), prompts))
+    """bench/run.py's workers (bench/workers/spectr_worker.py), two at a time, the default greedy."""
+    import run
+
+    chosen = harness.select_prompts(harness.load_questions(), prompts)
+    run.encode_prompts(bundle, chosen)
+    count = len(chosen)
     out = []
     for k in range(n):
-        procs = []
+        workers = []
         try:
             for setting in huge_pages:
-                proc = subprocess.Popen(cmd + ["--huge-pages", setting], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                if proc.stdout.readline().strip() != "ready":
-                    raise SystemExit("error: a worker process failed to start (its error is above)")
-                procs.append(proc)
+                cmd = [run.PY, str(BENCH / "workers" / "spectr_worker.py"), "--bundle", bundle, "--provider", "cpu"]
+                workers.append(run.Worker("spectr", cmd + (["--no-huge-pages"] if setting == "off" else []),
+                                          sys.stderr))
+            request = lambda p, max_new: {"id": str(p["id"]), "prompt": p["prompt"], "prompt_ids": p["prompt_ids"],  # noqa: E731
+                                          "max_new_tokens": max_new, "seed": 0, "config": {"temperature": 0.0}}
+            for w in workers:                                              # warm-up
+                w.request(request(chosen[0], 8))
             ms, same = ([], []), 0
-            for i in range(count):
+            for i, p in enumerate(chosen):
                 answers = []
                 for w in ((0, 1) if i % 2 == 0 else (1, 0)):
-                    procs[w].stdin.write(f"{i}\n")
-                    procs[w].stdin.flush()
-                    answer = json.loads(procs[w].stdout.readline())
-                    ms[w].append(answer["ms"])
-                    answers.append(answer["tokens"])
+                    row = run.measurement(workers[w].request(request(p, tokens))[0])
+                    ms[w].append(row["ms_per_token"])
+                    answers.append(row["token_ids"])
                 same += answers[0] == answers[1]
         finally:
-            for proc in procs:
-                proc.stdin.close()
-                proc.wait()
+            for w in workers:
+                w.close()
         ratios = [a / b for a, b in zip(*ms)]
         out.append({"first": ms[0], "second": ms[1], "ratios": ratios, "same_tokens": same})
-        print(f"pair {k + 1} (huge pages {huge_pages[0]}, {huge_pages[1]}): first-started {statistics.median(ms[0]):.1f}, second {statistics.median(ms[1]):.1f} "
-              f"ms/token; first over second {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}, "
-              f"first slower on {sum(r > 1 for r in ratios)} of {count}); same tokens on {same} of {count}", flush=True)
+        print(f"pair {k + 1} (huge pages {huge_pages[0]}, {huge_pages[1]}): first-started {statistics.median(ms[0]):.1f}, "
+              f"second {statistics.median(ms[1]):.1f} ms/token; first over second {statistics.median(ratios):.3f} "
+              f"({min(ratios):.2f}-{max(ratios):.2f}, first slower on {sum(r > 1 for r in ratios)} of {count}); "
+              f"same tokens on {same} of {count}", flush=True)
     return out
 
 
@@ -125,11 +114,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     ap.add_argument("--huge-pages", default="on,on",
                     help="the pair's load option huge_pages, first-started and second: on,on (default), off,on, ...")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     settings = tuple(args.huge_pages.split(","))
-    if args.worker:
-        return worker(args.bundle, args.prompts, args.max_new_tokens, settings[0] == "on")
     if len(settings) != 2 or set(settings) - {"on", "off"}:
         raise SystemExit(f"error: --huge-pages takes two of on/off, e.g. off,on (got {args.huge_pages!r})")
     if not args.in_process and not args.pairs:

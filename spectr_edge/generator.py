@@ -55,13 +55,14 @@ class Generator:
                  prefix_cache: bool | PrefixCache = True, record: str | os.PathLike | Recorder | None = None,
                  huge_pages: bool = True):
         threads = check.threads(threads)
+        huge_pages = check.flag(huge_pages, "huge_pages")
         self.bundle = bundle
         self.codec = TextCodec(bundle.tokenizer)
         self.target = OnnxLM(bundle.target, provider, threads, tensorrt=tensorrt)
         self.draft = None
         if load_draft and bundle.draft is not None:
             self.draft = OnnxLM(bundle.draft, draft_provider or provider, threads, spinning=False, tensorrt=tensorrt)
-        if check.flag(huge_pages, "huge_pages") and "CPU" in (self.target.provider, getattr(self.draft, "provider", None)):
+        if huge_pages and "CPU" in (self.target.provider, getattr(self.draft, "provider", None)):
             back_with_huge_pages()      # the CPU sessions' weights in 2 MiB pages (huge_pages.py)
         target_entry = bundle.manifest["models"]["target"]
         cost = CostCurve.for_quant(bundle.target.quant, target_entry.get("cost_curve"))

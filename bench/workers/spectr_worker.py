@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--provider", default="cpu")
+    ap.add_argument("--no-huge-pages", action="store_true", help="load(huge_pages=False): weights in 4 KiB pages")
     args = ap.parse_args()
     proto = protocol_stream()
 
@@ -60,7 +61,8 @@ def main() -> None:
     import spectr_edge
 
     # every prompt from a cold cache, as the peers' workers run them (config "prefix_cache": true keeps them)
-    gen = spectr_edge.load(args.bundle, provider=args.provider, threads=args.threads, prefix_cache=False)
+    gen = spectr_edge.load(args.bundle, provider=args.provider, threads=args.threads, prefix_cache=False,
+                           huge_pages=not args.no_huge_pages)
     info = {"tool": "spectr-edge", "onnxruntime": onnxruntime.__version__, "numpy": np.__version__,
             "bundle": args.bundle, "threads": args.threads or "onnxruntime default", "provider": gen.target.provider,
             "models": {r: {k: v for k, v in m.items() if k in ("source", "quant", "num_layers")}
