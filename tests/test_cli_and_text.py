@@ -44,6 +44,10 @@ def test_generate_json_and_no_draft(toy_dir):
     spec = json.loads(run_cli("generate", "a b", "--bundle", str(toy_dir), "--provider", "cpu", "-n", "5",
                               "--json", "-k", "1", "-L", "3").stdout)
     assert spec["token_ids"] == out["token_ids"] and spec["stats"]["draft_calls"] > 0   # greedy equality
+    plain_pages = run_cli("generate", "a b", "--bundle", str(toy_dir), "--provider", "cpu", "-n", "5", "--json",
+                          "-k", "1", "-L", "3", "--no-huge-pages")
+    assert plain_pages.returncode == 0, plain_pages.stderr
+    assert json.loads(plain_pages.stdout)["token_ids"] == out["token_ids"]
 
 
 @pytest.mark.parametrize("args,message", [
