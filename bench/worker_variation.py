@@ -4,7 +4,9 @@ the two ways a benchmark suite could make two rows of it differ.
 --in-process: one process generates the prompts with the default alone, then with a target-only
   generation of each prompt beside it (before it on even prompts, after it on odd ones, as bench/run.py
   orders methods), then alone again. If target-only generations slowed the default sharing their
-  process, the middle pass would be the slowest.
+  process, the middle pass would be the slowest. The middle pass also gives target-only's ms/token over
+  the default's per prompt; --repeat N goes through the prompts N times (one prompt, many alternations:
+  `--prompts ids-321 --repeat 8`).
 --pairs N: N times, two fresh workers of the same bundle (bench/run.py's, bench/workers/spectr_worker.py)
   are started one after the other and
   the default alternates between them prompt by prompt (ABBA). Reports the first-started process's
@@ -34,13 +36,13 @@ sys.path.insert(0, str(BENCH))
 import harness  # noqa: E402
 
 
-def in_process(bundle: str, prompts: str, tokens: int) -> dict:
+def in_process(bundle: str, prompts: str, tokens: int, repeat: int = 1) -> dict:
     import spectr_edge
     from spectr_edge.text import TextCodec
 
     gen = spectr_edge.load(bundle, provider="cpu", prefix_cache=False)   # as bench/workers/spectr_worker.py
     codec = TextCodec(gen.bundle.tokenizer)
-    ids = [codec.encode_prompt(p["prompt"]) for p in harness.select_prompts(harness.load_questions(), prompts)]
+    ids = [codec.encode_prompt(p["prompt"]) for p in harness.select_prompts(harness.load_questions(), prompts)] * repeat
     gen.generate_ids(ids[0], max_new_tokens=8)                             # warm-up
 
     def timed(p, **options) -> tuple[float, list[int]]:
@@ -49,19 +51,26 @@ def in_process(bundle: str, prompts: str, tokens: int) -> dict:
 
     passes, reference = {}, None
     for name in ("default alone", "beside target-only", "default alone again"):
-        ms, toks = [], []
+        ms, toks, plain = [], [], []
         for i, p in enumerate(ids):
             if name == "beside target-only" and i % 2 == 0:
-                timed(p, num_candidates=0)
+                plain.append(timed(p, num_candidates=0)[0])
             m, t = timed(p)
             if name == "beside target-only" and i % 2 == 1:
-                timed(p, num_candidates=0)
+                plain.append(timed(p, num_candidates=0)[0])
             ms.append(m)
             toks.append(t)
         reference = reference or toks
         passes[name] = {"ms": ms, "same_tokens": sum(a == b for a, b in zip(toks, reference))}
         print(f"in one process, {name}: {statistics.median(ms):.1f} ms/token (median over {len(ids)} prompts; "
               f"same tokens as the first pass on {passes[name]['same_tokens']} of {len(ids)})", flush=True)
+        if plain:
+            ratios = [a / b for a, b in zip(plain, ms)]
+            passes[name].update(target_only_ms=plain, target_only_over_default=ratios)
+            print(f"  target-only beside it: {statistics.median(plain):.1f} ms/token; target-only over the default "
+                  f"{statistics.median(ratios):.3f} (median of per-generation ratios, {min(ratios):.3f}-"
+                  f"{max(ratios):.3f}; the default faster on {sum(r > 1 for r in ratios)} of {len(ratios)})",
+                  flush=True)
     return passes
 
 
@@ -110,6 +119,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", default="stratified-2", help="Spec-Bench subset (bench/data/README.md)")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--in-process", action="store_true", help="the default alone, beside target-only, alone")
+    ap.add_argument("--repeat", type=int, default=1, help="--in-process: go through the prompts this many times")
     ap.add_argument("--pairs", type=int, default=0, help="fresh pairs of worker processes to compare")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     ap.add_argument("--huge-pages", default="on,on",
@@ -122,7 +132,7 @@ def main(argv=None) -> None:
         raise SystemExit("error: nothing to measure; pass --in-process and/or --pairs N")
     result = {"machine": harness.machine_info(), "args": {k: str(v) for k, v in vars(args).items()}}
     if args.in_process:
-        result["in_process"] = in_process(args.bundle, args.prompts, args.max_new_tokens)
+        result["in_process"] = in_process(args.bundle, args.prompts, args.max_new_tokens, args.repeat)
     if args.pairs:
         result["pairs"] = pairs(args.bundle, args.prompts, args.max_new_tokens, args.pairs, settings)
     if args.out:
