@@ -130,6 +130,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: --huge-pages takes two of on/off, e.g. off,on (got {args.huge_pages!r})")
     if not args.in_process and not args.pairs:
         raise SystemExit("error: nothing to measure; pass --in-process and/or --pairs N")
+    if args.repeat < 1:
+        raise SystemExit(f"error: --repeat must be >= 1, not {args.repeat}")
     result = {"machine": harness.machine_info(), "args": {k: str(v) for k, v in vars(args).items()}}
     if args.in_process:
         result["in_process"] = in_process(args.bundle, args.prompts, args.max_new_tokens, args.repeat)
