@@ -87,7 +87,7 @@ def pairs(bundle: str, prompts: str, tokens: int, n: int, huge_pages: tuple[str,
         try:
             for setting in huge_pages:
                 cmd = [run.PY, str(BENCH / "workers" / "spectr_worker.py"), "--bundle", bundle, "--provider", "cpu"]
-                workers.append(run.Worker("spectr", cmd + (["--no-huge-pages"] if setting == "off" else []),
+                workers.append(run.Worker("spectr", cmd + ["--no-huge-pages" if setting == "off" else "--huge-pages"],
                                           sys.stderr))
             request = lambda p, max_new: {"id": str(p["id"]), "prompt": p["prompt"], "prompt_ids": p["prompt_ids"],  # noqa: E731
                                           "max_new_tokens": max_new, "seed": 0, "config": {"temperature": 0.0}}

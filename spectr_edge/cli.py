@@ -109,9 +109,9 @@ EXECUTION = _options(
     click.option("--draft-provider", type=PROVIDERS, default=None,
                  help="Draft execution provider [default: --provider]."),
     click.option("--threads", type=int, default=None, help="Intra-op threads per session [default: ORT's choice]."),
-    click.option("--huge-pages/--no-huge-pages", default=True, show_default=True,
+    click.option("--huge-pages/--no-huge-pages", default=None,
                  help="Hold the CPU sessions' weights in 2 MiB pages (Linux 6.1+; on some CPUs the int4 decode is "
-                      "up to 1.15x faster; a few seconds more to load)."),
+                      "up to 1.15x faster; a few seconds more to load) [default: for quantized targets]."),
     click.option("--record", "record_dir", type=click.Path(), default=None,
                  help="Append every generation's token ids and the target's top-16 log-probabilities to "
                       "DIR/traffic.jsonl (off by default; data to adapt the draft on)."),

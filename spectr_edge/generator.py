@@ -53,15 +53,18 @@ class Generator:
     def __init__(self, bundle: Bundle, provider: str = "auto", draft_provider: str | None = None,
                  threads: int | None = None, load_draft: bool = True, tensorrt: TensorRTSettings | None = None,
                  prefix_cache: bool | PrefixCache = True, record: str | os.PathLike | Recorder | None = None,
-                 huge_pages: bool = True):
+                 huge_pages: bool | None = None):
         threads = check.threads(threads)
-        huge_pages = check.flag(huge_pages, "huge_pages")
+        if huge_pages is not None:
+            huge_pages = check.flag(huge_pages, "huge_pages")
         self.bundle = bundle
         self.codec = TextCodec(bundle.tokenizer)
         self.target = OnnxLM(bundle.target, provider, threads, tensorrt=tensorrt)
         self.draft = None
         if load_draft and bundle.draft is not None:
             self.draft = OnnxLM(bundle.draft, draft_provider or provider, threads, spinning=False, tensorrt=tensorrt)
+        if huge_pages is None:          # by default only for quantized targets: their decode gains most, and
+            huge_pages = bundle.target.quant != "none"   # a float32 target's 6 GB take 10 s to move for ~1.01x
         if huge_pages and "CPU" in (self.target.provider, getattr(self.draft, "provider", None)):
             back_with_huge_pages()      # the CPU sessions' weights in 2 MiB pages (huge_pages.py)
         target_entry = bundle.manifest["models"]["target"]
@@ -233,13 +236,13 @@ async def _async_iter(sync_iter):
 def load(path: str | os.PathLike | None = None, provider: str = "auto", draft_provider: str | None = None,
          threads: int | None = None, load_draft: bool = True, tensorrt: TensorRTSettings | None = None,
          prefix_cache: bool | PrefixCache = True, record: str | os.PathLike | Recorder | None = None,
-         huge_pages: bool = True) -> Generator:
+         huge_pages: bool | None = None) -> Generator:
     """Load a bundle (default: models/default) with the given execution providers (per model: the draft
     may run on another device than the target); tensorrt: engine cache, fp16, workspace; prefix_cache:
     keep recent generations' KV caches for prompts that extend them (False: off; a PrefixCache: its
     bounds); record: a directory where every generation's token ids and the target's top-k
     log-probabilities are appended (recording.py: the teacher signal a draft can be adapted on), or a
     Recorder; huge_pages: hold the CPU sessions' weights in 2 MiB pages (Linux 6.1+, best effort;
-    huge_pages.py)."""
+    huge_pages.py; None, the default: for quantized targets only)."""
     return Generator(read_bundle(path), provider, draft_provider, threads, load_draft, tensorrt, prefix_cache,
                      record, huge_pages)

@@ -282,3 +282,23 @@ def test_huge_pages_option(toy_dir):
     assert with_pages.token_ids == without.token_ids
     with pytest.raises(InputError, match="huge_pages must be true or false"):
         spectr_edge.load(bundle, provider="cpu", huge_pages="yes")
+
+
+def test_huge_pages_default_follows_the_target_quantization(toy_dir, monkeypatch):
+    """Unset, huge_pages asks for 2 MiB pages for a quantized target only (a float32 target's weights take
+    long to move for little gain); True and False are obeyed whatever the target."""
+    import dataclasses
+
+    import spectr_edge.generator as generator
+    from spectr_edge.bundle import read_bundle
+
+    asked = []
+    real = generator.back_with_huge_pages
+    monkeypatch.setattr(generator, "back_with_huge_pages", lambda: asked.append(1) or real())
+    plain = read_bundle(toy_dir)
+    quantized = dataclasses.replace(plain, target=dataclasses.replace(plain.target, quant="int8"))
+    assert plain.target.quant == "none"
+    for bundle, option, expected in [(plain, None, 0), (quantized, None, 1), (plain, True, 1), (quantized, False, 0)]:
+        asked.clear()
+        generator.Generator(bundle, provider="cpu", huge_pages=option)
+        assert len(asked) == expected, (bundle.target.quant, option)

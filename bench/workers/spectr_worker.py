@@ -51,7 +51,11 @@ def main() -> None:
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--provider", default="cpu")
-    ap.add_argument("--no-huge-pages", action="store_true", help="load(huge_pages=False): weights in 4 KiB pages")
+    pages = ap.add_mutually_exclusive_group()   # neither: load()'s default (huge pages for quantized targets)
+    pages.add_argument("--huge-pages", dest="huge_pages", action="store_const", const=True, default=None,
+                       help="load(huge_pages=True): weights in 2 MiB pages")
+    pages.add_argument("--no-huge-pages", dest="huge_pages", action="store_const", const=False,
+                       help="load(huge_pages=False): weights in 4 KiB pages")
     args = ap.parse_args()
     proto = protocol_stream()
 
@@ -62,7 +66,7 @@ def main() -> None:
 
     # every prompt from a cold cache, as the peers' workers run them (config "prefix_cache": true keeps them)
     gen = spectr_edge.load(args.bundle, provider=args.provider, threads=args.threads, prefix_cache=False,
-                           huge_pages=not args.no_huge_pages)
+                           huge_pages=args.huge_pages)
     info = {"tool": "spectr-edge", "onnxruntime": onnxruntime.__version__, "numpy": np.__version__,
             "bundle": args.bundle, "threads": args.threads or "onnxruntime default", "provider": gen.target.provider,
             "models": {r: {k: v for k, v in m.items() if k in ("source", "quant", "num_layers")}
