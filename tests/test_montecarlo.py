@@ -21,9 +21,13 @@ P_VALUE = 1e-4 quantile of chi2(cells - 1), by the Wilson-Hilferty approximation
 (within 1% of the exact quantile for df >= 20; checked against mpmath when written:
 df = 124 gives 191.4 vs exact 191.3). Seeds are fixed, so a pass or fail is reproducible.
 
-Power. Two negative controls must be REJECTED by the same test: the naive multi-draft
-rule (rho = 1, docs/ALGORITHMS.md) patched into spectr_edge.selection, and correct
-samples compared with the target law at a wrong temperature.
+Power. Negative controls must be REJECTED by the same test: the naive multi-draft rule
+(rho = 1, docs/ALGORITHMS.md) patched into spectr_edge.selection, correct samples compared
+with the target law at a wrong temperature (0.9 for 1.0), and one broken rule per drafter
+(a tree without its cache gather, Sequoia without its residual, lookup accepting every
+copy, ...). Each is rejected at NEGATIVE_DRAWS = 5,000 draws, fewer than the CI_DRAWS =
+6,000 every positive test uses, so an error of their size cannot hide in a CI run; the
+slow grid (FULL_DRAWS) resolves errors about 4x smaller.
 
 CI runs CI_CONFIGS (every k, every L, both temperatures and the filters at least once);
 the full grid at FULL_DRAWS draws per config is marked slow.
@@ -47,7 +51,7 @@ MAX_NEW_TOKENS = 6
 WINDOWS = {"tokens 1-3": slice(0, 3), "tokens 4-6": slice(3, 6)}
 P_VALUE = 1e-4
 MIN_EXPECTED = 5.0
-CI_DRAWS = 15_000                 # ~1.5-3 ms per 6-token draw: the CI subset takes ~4 minutes
+CI_DRAWS = 6_000                  # 3-8 ms per 6-token draw on 2 cores: 20-50 s per config
 FULL_DRAWS = 100_000              # slow grid: ~2 hours on one core
 NEGATIVE_DRAWS = 5_000            # rho = 1 gives chi2 ~2-7x the threshold already at 8000 draws
 SHORT_PROMPT, LONG_PROMPT = (0,), (2, 0, 3, 1, 4)

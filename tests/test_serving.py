@@ -83,12 +83,12 @@ def test_sampling_with_prefix_reuse_keeps_the_target_law(tmp_path):
     """Monte Carlo on the toy LM (tests/toy_lm.py): each draw first generates from a prompt the next one
     extends (its cache and the draft's are kept), then samples 6 tokens after the longer prompt, which
     reuses all of it but the last token. The law of those 6 tokens is compared with the exact law by
-    chi-square at p = 1e-4 (as test_montecarlo.py: tokens 1-3 and 4-6, 10,000 draws)."""
-    from test_montecarlo import MAX_NEW_TOKENS, WINDOWS, chi2_quantile, chi_square
+    chi-square at p = 1e-4 (as test_montecarlo.py: tokens 1-3 and 4-6, its CI_DRAWS draws)."""
+    from test_montecarlo import CI_DRAWS, MAX_NEW_TOKENS, WINDOWS, chi2_quantile, chi_square
 
     bundle = build_toy_bundle(tmp_path / "toy", seed_target=11, seed_draft=12)
     gen = spectr_edge.load(bundle, provider="cpu", threads=1)
-    prompt, draws = (2, 0, 3, 1, 4), 10_000
+    prompt, draws = (2, 0, 3, 1, 4), CI_DRAWS
     rng = np.random.default_rng(70)
     counts = {name: Counter() for name in WINDOWS}
     reused = 0
