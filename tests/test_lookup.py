@@ -139,6 +139,32 @@ def test_weights_decide_the_most_common_follower():
     assert heavy["next1"][list(heavy["keys1"]).index(1)] == 3      # 4 > 3
 
 
+def test_table_matches_counting_by_hand_at_a_real_vocabulary_size():
+    """With ids up to a 151,936-token vocabulary (two-token keys up to V^2, paired with the next id in one
+    int64), every key's follower is the one a plain dictionary count picks: largest total weight, then
+    smallest id."""
+    from collections import defaultdict
+
+    from spectr_edge.ngram_table import build_table
+
+    vocab = 151_936
+    rng = np.random.default_rng(5)
+    ids = rng.choice(np.array([0, 1, 7, 40_000, vocab - 2, vocab - 1]), size=3_000)   # few ids: many repeats, ties
+    weights = rng.choice([1.0, 10.0], size=ids.size)
+    table = build_table(ids, vocab, weights)
+    for n, keys, nexts in [(1, table["keys1"], table["next1"]), (2, table["keys2"], table["next2"])]:
+        totals = defaultdict(float)
+        for i in range(n, ids.size):
+            key = int(ids[i - 1]) if n == 1 else int(ids[i - 2]) * vocab + int(ids[i - 1])
+            totals[key, int(ids[i])] += weights[i]
+        best = {}
+        for (key, nxt), total in sorted(totals.items()):
+            if key not in best or total > best[key][1]:
+                best[key] = (nxt, total)
+        assert keys.tolist() == sorted(best)
+        assert nexts.tolist() == [best[k][0] for k in sorted(best)]
+
+
 def test_sampled_conversations_follow_the_chat_template(tiny_qwen_bundle):
     """self_text.py: each row is the template's opening text, then user turns and answers joined by the
     template's own hand-over tokens; a seed gives the same text, another seed other text."""
