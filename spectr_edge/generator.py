@@ -64,7 +64,7 @@ class Generator:
         if load_draft and bundle.draft is not None:
             self.draft = OnnxLM(bundle.draft, draft_provider or provider, threads, spinning=False, tensorrt=tensorrt)
         if huge_pages is None:          # by default only for quantized targets: their decode gains most, and
-            huge_pages = bundle.target.quant != "none"   # a float32 target's 6 GB take 10 s to move for ~1.01x
+            huge_pages = bundle.target.quant != "none"   # a float32 target's 6 GB take 7-10 s to move for <= 1.05x
         if huge_pages and "CPU" in (self.target.provider, getattr(self.draft, "provider", None)):
             back_with_huge_pages()      # the CPU sessions' weights in 2 MiB pages (huge_pages.py)
         target_entry = bundle.manifest["models"]["target"]
