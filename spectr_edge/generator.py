@@ -55,16 +55,15 @@ class Generator:
                  prefix_cache: bool | PrefixCache = True, record: str | os.PathLike | Recorder | None = None,
                  huge_pages: bool | None = None):
         threads = check.threads(threads)
-        if huge_pages is not None:
-            huge_pages = check.flag(huge_pages, "huge_pages")
+        # by default only for quantized targets: their decode gains most, and a float32 target's 6 GB take
+        # 7-10 s to move for <= 1.05x
+        huge_pages = bundle.target.quant != "none" if huge_pages is None else check.flag(huge_pages, "huge_pages")
         self.bundle = bundle
         self.codec = TextCodec(bundle.tokenizer)
         self.target = OnnxLM(bundle.target, provider, threads, tensorrt=tensorrt)
         self.draft = None
         if load_draft and bundle.draft is not None:
             self.draft = OnnxLM(bundle.draft, draft_provider or provider, threads, spinning=False, tensorrt=tensorrt)
-        if huge_pages is None:          # by default only for quantized targets: their decode gains most, and
-            huge_pages = bundle.target.quant != "none"   # a float32 target's 6 GB take 7-10 s to move for <= 1.05x
         if huge_pages and "CPU" in (self.target.provider, getattr(self.draft, "provider", None)):
             back_with_huge_pages()      # the CPU sessions' weights in 2 MiB pages (huge_pages.py)
         target_entry = bundle.manifest["models"]["target"]

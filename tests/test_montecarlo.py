@@ -25,9 +25,10 @@ Power. Negative controls must be REJECTED by the same test: the naive multi-draf
 (rho = 1, docs/ALGORITHMS.md) patched into spectr_edge.selection, correct samples compared
 with the target law at a wrong temperature (0.9 for 1.0), and one broken rule per drafter
 (a tree without its cache gather, Sequoia without its residual, lookup accepting every
-copy, ...). Each is rejected at NEGATIVE_DRAWS = 5,000 draws, fewer than the CI_DRAWS =
-6,000 every positive test uses, so an error of their size cannot hide in a CI run; the
-slow grid (FULL_DRAWS) resolves errors about 4x smaller.
+copy, ...). The broken rules are rejected at NEGATIVE_DRAWS = 5,000 draws, fewer than the
+CI_DRAWS = 6,000 every positive test uses (the wrong temperature is checked on a CI config's
+own draws), so an error of their size cannot hide in a CI run; the slow grid (FULL_DRAWS)
+resolves errors about 4x smaller.
 
 CI runs CI_CONFIGS (every k, every L, both temperatures and the filters at least once);
 the full grid at FULL_DRAWS draws per config is marked slow.
