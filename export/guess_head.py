@@ -28,6 +28,7 @@ may differ from x, and the guess is then simply more often rejected).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -38,6 +39,9 @@ from spectr_edge.errors import ExportError
 from .logits_keep import GUESS_HEAD_PREFIX
 
 GUESS_OUTPUT = "guess_ids"
+STATE_OUTPUT = "guess_state"      # the head's state g per row, where the chain graph starts
+CHAIN_FILE = "guess_chain.onnx"   # the chain graph, beside the target graph
+CHAIN_DEPTH = 3                   # chain positions trained after the first guess
 HEAD_VOCAB = 4096                 # output classes: the commonest labels in the training text
 HEAD_TOKENS = 32768               # tokens of sampled conversation to train on (int4 1.5B target, held-out
                                   # agreement: 16,384 -> 0.37, 32,768 -> 0.43; scoring them takes ~7 min)
@@ -85,10 +89,10 @@ def _embedding(model, input_ids: str, path: Path) -> np.ndarray:
 
 
 def collect(spec, rows: list[list[int]], vocab_size: int, log=print,
-            threads: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(hidden # [N, D], labels # [N], chosen # [N]): the target's LM-head input at each position of
-    each row but the last, its greedy choice one position later, and its greedy choice at the
-    position itself (among the first vocab_size ids). One call per row, empty past."""
+            threads: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per row of at least 3 tokens: (hidden # [n, D], greedy # [n]), the target's LM-head input at
+    each position and its greedy choice there (among the first vocab_size ids), i.e. the token it
+    would say next. One call per row, empty past."""
     import onnx
     import onnxruntime as ort
 
@@ -100,13 +104,14 @@ def collect(spec, rows: list[list[int]], vocab_size: int, log=print,
     probe = spec.file.with_name(spec.file.stem + ".hidden.onnx")
     save_graph_beside(model, spec.file, probe, "probe")
     sess = None
+    out: list[tuple[np.ndarray, np.ndarray]] = []
     try:
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         if threads:
             opts.intra_op_num_threads = threads
         sess = ort.InferenceSession(str(probe), opts, providers=["CPUExecutionProvider"])
-        hs, ys, chosen, started = [], [], [], time.perf_counter()
+        started, scored = time.perf_counter(), 0
         for r, row in enumerate(rows):
             ids = np.asarray(row, dtype=np.int64)
             n = len(ids)
@@ -125,29 +130,54 @@ def collect(spec, rows: list[list[int]], vocab_size: int, log=print,
             for k, v in spec.past:
                 feed[k], feed[v] = empty, empty
             logits, h = sess.run([spec.logits, hidden], feed)
-            greedy = logits[0, :, :vocab_size].argmax(-1)       # [n]: the target's choice after each position
-            hs.append(np.asarray(h[0][:-1], dtype=np.float32))
-            ys.append(greedy[1:].astype(np.int64))
-            chosen.append(greedy[:-1].astype(np.int64))
+            out.append((np.asarray(h[0], dtype=np.float32), logits[0, :, :vocab_size].argmax(-1).astype(np.int64)))
+            scored += n
             if (r + 1) % 16 == 0:
-                log(f"      scored {sum(map(len, ys))} positions ({time.perf_counter() - started:.0f} s)")
+                log(f"      scored {scored} positions ({time.perf_counter() - started:.0f} s)")
     finally:
         del sess                                            # before its graph file goes
         probe.unlink(missing_ok=True)
-    return np.concatenate(hs), np.concatenate(ys), np.concatenate(chosen)
+    return out
+
+
+def chain_examples(scored: list[tuple[np.ndarray, np.ndarray]], depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(hidden # [N, D], tokens # [N, depth + 1], labels # [N, depth + 1]) from collect's rows: for
+    position t of a row, its hidden state; tokens[:, j] = the target's greedy token at t + 1 + j
+    (the token the head reads at chain position j: the first is the one the row chooses, then each
+    earlier label); labels[:, j] = the greedy token at t + 2 + j, -1 past the row's end. Positions
+    whose first label is past the end are left out."""
+    hs, xs, ys = [], [], []
+    for h, greedy in scored:
+        n = len(greedy)
+        if n < 2:
+            continue
+        padded = np.concatenate([greedy, np.full(depth + 1, -1, dtype=np.int64)])
+        t = np.arange(n - 1)
+        hs.append(h[:n - 1])
+        xs.append(padded[t[:, None] + np.arange(depth + 1)])
+        ys.append(padded[t[:, None] + 1 + np.arange(depth + 1)])
+    return np.concatenate(hs), np.concatenate(xs), np.concatenate(ys)
 
 
 def train(hidden: np.ndarray, labels: np.ndarray, embedding: np.ndarray, chosen: np.ndarray | None = None,
           vocab: int = HEAD_VOCAB, epochs: int = HEAD_EPOCHS, seed: int = 0, holdout: float = 0.1,
-          log=print) -> dict:
+          log=print, chain: np.ndarray | None = None) -> dict:
     """Fit the head on (hidden # [N, D], labels # [N]); embedding # [vocab_size, D] initialises E and,
     with chosen # [N] (the token each position's row chooses), feeds the block that token's embedding
     through B (EAGLE's idea: the guess knows which token it follows).
 
-    The last `holdout` of the positions are held out: the returned "agreement" is the share of them
-    whose guess equals the label (what a greedy generation's guess acceptance would be on such text).
+    chain # [N, J] (optional): the target's greedy tokens after each label (-1 past a row's end): the
+    chain block (A2, B2, a2) is trained too, unrolled J times from the head's state g with the
+    target's own tokens fed back (chain_examples' layout: chain[:, j] follows the label or chain[:, j-1]).
+    Every chain position's cross-entropy counts alike, and gradients flow through the unrolled states.
+
+    The last `holdout` of the positions are held out: "agreement" is the share of them whose guess
+    equals the label (what a greedy generation's guess acceptance would be on such text), and
+    "chain_agreement"[j] the share of chain position j's guesses that equal the target's token, among
+    the held-out positions whose earlier guesses were all right (the acceptance of a drafted chain's
+    position j + 2 given the positions before it, under greedy verification).
     Returns the numpy parameters A, B (with chosen) # [D, D], a # [D], E # [D, V], c # [V], ids # [V]
-    and stats."""
+    (and A2, B2 # [D, D], a2 # [D] with chain) and stats."""
     import torch
 
     torch.manual_seed(seed)
@@ -156,7 +186,7 @@ def train(hidden: np.ndarray, labels: np.ndarray, embedding: np.ndarray, chosen:
     counts = np.bincount(labels[:cut], minlength=len(embedding))
     ids = np.argsort(-counts, kind="stable")[:vocab]
     ids = ids[counts[ids] > 0]
-    column = np.full(len(embedding), -1, dtype=np.int64)
+    column = np.full(len(embedding) + 1, -1, dtype=np.int64)      # the last entry: -1 (past a row's end)
     column[ids] = np.arange(len(ids))
     h = torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.float32))
     y = torch.from_numpy(column[labels])
@@ -169,39 +199,86 @@ def train(hidden: np.ndarray, labels: np.ndarray, embedding: np.ndarray, chosen:
     E = torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(embedding[ids].T, dtype=np.float32)))
     c = torch.nn.Parameter(torch.zeros(len(ids)))
     params = [A, a, E, c] + ([B] if chosen_emb is not None else [])
+    depth = 0 if chain is None else chain.shape[1]
+    if depth:
+        A2, B2, a2 = (torch.nn.Parameter(torch.zeros(d, d)), torch.nn.Parameter(torch.zeros(d, d)),
+                      torch.nn.Parameter(torch.zeros(d)))
+        params += [A2, B2, a2]
+        head_emb = torch.from_numpy(np.ascontiguousarray(embedding[ids], dtype=np.float32))   # [V, D]
+        # chain position j reads the previous label's column (the head's own vocabulary) and predicts chain[:, j]
+        fed = torch.from_numpy(column[np.concatenate([labels[:, None], chain[:, :-1]], axis=1)])   # [N, J]
+        want = torch.from_numpy(column[chain])                                                      # [N, J]
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
 
-    def scores(rows):
+    def states(rows):
         x = h[rows]
         pre = x @ A + a
         if chosen_emb is not None:
             pre = pre + chosen_emb[rows] @ B
-        return (x + torch.nn.functional.silu(pre)) @ E + c
+        return x + torch.nn.functional.silu(pre)
+
+    def chain_scores(g, rows):
+        """Scores # [J, rows, V] of the unrolled chain from states g, and which entries count # [J, rows]."""
+        out, ok = [], torch.ones(len(rows), dtype=torch.bool)
+        eb = head_emb @ B2                                          # [V, D]
+        for j in range(depth):
+            col = fed[rows, j]
+            ok = ok & (col >= 0) & (want[rows, j] >= 0)
+            g = g + torch.nn.functional.silu(g @ A2 + eb[col.clamp(min=0)] + a2)
+            out.append(g @ E + c)
+        return out, ok
+
+    def loss_of(batch):
+        g = states(batch)
+        loss = torch.nn.functional.cross_entropy(g @ E + c, y[batch])
+        if depth:
+            outs, _ = chain_scores(g, batch)
+            for j, s in enumerate(outs):
+                w = want[batch, j]
+                keep = (w >= 0) & (fed[batch, j] >= 0)
+                if keep.any():
+                    loss = loss + torch.nn.functional.cross_entropy(s[keep], w[keep])
+        return loss
 
     train_rows = torch.from_numpy(np.flatnonzero(column[labels[:cut]] >= 0))
     held = torch.arange(cut, n)
     gen = torch.Generator().manual_seed(seed)
     started = time.perf_counter()
-    agreement = 0.0
+    agreement, chain_agreement = 0.0, []
     for epoch in range(epochs):
         order = train_rows[torch.randperm(len(train_rows), generator=gen)]
         for i in range(0, len(order), 256):
             batch = order[i:i + 256]
-            loss = torch.nn.functional.cross_entropy(scores(batch), y[batch])
+            loss = loss_of(batch)
             opt.zero_grad()
             loss.backward()
             opt.step()
         with torch.no_grad():
-            guess = ids[scores(held).argmax(-1).numpy()]
-        agreement = float(np.mean(guess == labels[cut:]))
-        log(f"      epoch {epoch + 1}/{epochs}: held-out agreement {agreement:.3f} "
-            f"({time.perf_counter() - started:.0f} s)")
+            g = states(held)
+            guess = ids[(g @ E + c).argmax(-1).numpy()]
+            right = guess == labels[cut:]
+            agreement = float(np.mean(right))
+            chain_agreement = []
+            if depth:
+                outs, _ = chain_scores(g, held)
+                for j, s in enumerate(outs):
+                    truth = chain[cut:, j]
+                    reached = right & (truth >= 0)
+                    hit = ids[s.argmax(-1).numpy()] == truth
+                    chain_agreement.append(float(hit[reached].mean()) if reached.any() else 0.0)
+                    right = reached & hit
+        log(f"      epoch {epoch + 1}/{epochs}: held-out agreement {agreement:.3f}"
+            + (", chain " + " ".join(f"{x:.2f}" for x in chain_agreement) if depth else "")
+            + f" ({time.perf_counter() - started:.0f} s)")
     with torch.no_grad():
         out = {"A": A.numpy().copy(), "a": a.numpy().copy(), "E": E.numpy().copy(), "c": c.numpy().copy(),
                "ids": ids.astype(np.int64), "agreement": agreement, "train_positions": int(cut),
                "heldout_positions": int(n - cut)}
         if chosen_emb is not None:
             out["B"] = B.numpy().copy()
+        if depth:
+            out.update(A2=A2.numpy().copy(), a2=a2.numpy().copy(), EB2=(head_emb @ B2).numpy().copy(),
+                       chain_agreement=chain_agreement)
         return out
 
 
@@ -250,9 +327,17 @@ def head_model(params: dict, bits: int = HEAD_BITS, accuracy_level: int | None =
         helper.make_node("ArgMax", [p + "scores"], [p + "column"], name=p + "ArgMax", axis=-1, keepdims=0),
         helper.make_node("Gather", [p + "ids", p + "column"], [GUESS_OUTPUT], name=p + "Gather", axis=0),
     ]
-    graph = helper.make_graph(nodes, "guess_head", inputs,
-                              [helper.make_tensor_value_info(GUESS_OUTPUT, TensorProto.INT64, ["batch", "rows"])],
-                              inits)
+    outputs = [helper.make_tensor_value_info(GUESS_OUTPUT, TensorProto.INT64, ["batch", "rows"])]
+    if "A2" in params:      # a chain continues from the state: the graph returns it
+        nodes.append(helper.make_node("Identity", [p + "g"], [STATE_OUTPUT], name=p + "State"))
+        outputs.append(helper.make_tensor_value_info(STATE_OUTPUT, TensorProto.FLOAT, ["batch", "rows", d]))
+    return _finish(helper.make_graph(nodes, "guess_head", inputs, outputs, inits), d, bits, accuracy_level)
+
+
+def _finish(graph, d: int, bits: int, accuracy_level: int | None):
+    """The model of `graph`, its MatMuls `bits`-bit MatMulNBits (0: float)."""
+    from onnx import helper
+
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8                # readable by any onnxruntime the runtime supports
     if not bits:
@@ -263,6 +348,49 @@ def head_model(params: dict, bits: int = HEAD_BITS, accuracy_level: int | None =
     with _quiet_root_logger():
         q.process()
     return q.model.model
+
+
+def chain_model(params: dict, vocab_size: int, bits: int = HEAD_BITS,
+                accuracy_level: int | None = HEAD_ACCURACY_LEVEL):
+    """The chain graph, run by the runtime once per further guess: inputs "state" # [rows, D] (the
+    head's g, or the previous chain step's) and "token" # [rows] int64 (the token just guessed) ->
+    "next_state" # [rows, D] and "next_token" # [rows] int64:
+
+        g' = g + SiLU(g A2 + EB2[col(token)] + a2)        # EB2 = Emb[ids] B2: [V, D], col: id -> column
+        next_token = ids[argmax(g' E + c)]
+
+    E and c are the head's own output layer. A2 and E are `bits`-bit MatMulNBits (0: float)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    d = params["A2"].shape[0]
+    column = np.zeros(vocab_size, dtype=np.int64)        # a token outside the head's vocabulary reads row 0
+    column[params["ids"]] = np.arange(len(params["ids"]))
+    inits = [numpy_helper.from_array(params["A2"].astype(np.float32), "A2"),
+             numpy_helper.from_array(params["a2"].astype(np.float32), "a2"),
+             numpy_helper.from_array(params["EB2"].astype(np.float32), "EB2"),
+             numpy_helper.from_array(params["E"].astype(np.float32), "E"),
+             numpy_helper.from_array(params["c"].astype(np.float32), "c"),
+             numpy_helper.from_array(params["ids"].astype(np.int64), "ids"),
+             numpy_helper.from_array(column, "column_of")]
+    nodes = [helper.make_node("Gather", ["column_of", "token"], ["col"], name="Column", axis=0),
+             helper.make_node("Gather", ["EB2", "col"], ["e"], name="Embed", axis=0),
+             helper.make_node("MatMul", ["state", "A2"], ["gA"], name="MatMulA2"),
+             helper.make_node("Add", ["gA", "a2"], ["gA_a"], name="AddA2"),
+             helper.make_node("Add", ["gA_a", "e"], ["pre"], name="AddE"),
+             helper.make_node("Sigmoid", ["pre"], ["sig"], name="Sigmoid"),
+             helper.make_node("Mul", ["pre", "sig"], ["silu"], name="SiLU"),
+             helper.make_node("Add", ["state", "silu"], ["next_state"], name="Residual"),
+             helper.make_node("MatMul", ["next_state", "E"], ["gE"], name="MatMulE"),
+             helper.make_node("Add", ["gE", "c"], ["scores"], name="AddC"),
+             helper.make_node("ArgMax", ["scores"], ["next_col"], name="ArgMax", axis=-1, keepdims=0),
+             helper.make_node("Gather", ["ids", "next_col"], ["next_token"], name="Token", axis=0)]
+    graph = helper.make_graph(
+        nodes, "guess_chain",
+        [helper.make_tensor_value_info("state", TensorProto.FLOAT, ["rows", d]),
+         helper.make_tensor_value_info("token", TensorProto.INT64, ["rows"])],
+        [helper.make_tensor_value_info("next_state", TensorProto.FLOAT, ["rows", d]),
+         helper.make_tensor_value_info("next_token", TensorProto.INT64, ["rows"])], inits)
+    return _finish(graph, d, bits, accuracy_level)
 
 
 def attach(model, head, logits: str, input_ids: str) -> None:
@@ -295,17 +423,19 @@ def remove(model) -> None:
         graph.node.remove(n)
     for t in [t for t in graph.initializer if t.name.startswith(PREFIX)]:
         graph.initializer.remove(t)
-    for o in [o for o in graph.output if o.name == GUESS_OUTPUT]:
+    for o in [o for o in graph.output if o.name in (GUESS_OUTPUT, STATE_OUTPUT)]:
         graph.output.remove(o)
 
 
 def write_head(spec, rows: list[list[int]], vocab_size: int, log=print, threads: int | None = None, seed: int = 0,
                vocab: int = HEAD_VOCAB, epochs: int = HEAD_EPOCHS, bits: int = HEAD_BITS,
-               follow_chosen: bool = True) -> dict:
+               follow_chosen: bool = True, chain_depth: int = CHAIN_DEPTH) -> dict:
     """Train a guess head for the target `spec` (a bundle ModelSpec) on the token rows, write it into
     the target graph in place (any earlier head replaced), and return the manifest entry.
     vocab_size: the tokenizer's ids (logits columns beyond are padding); follow_chosen: the head also
-    reads the embedding of the token its row chooses (train's chosen)."""
+    reads the embedding of the token its row chooses (train's chosen); chain_depth: chain positions
+    trained after the first guess (0: no chain graph; needs follow_chosen), written as CHAIN_FILE
+    beside the target graph."""
     import onnx
 
     from .writer import save_graph_beside
@@ -314,27 +444,51 @@ def write_head(spec, rows: list[list[int]], vocab_size: int, log=print, threads:
     remove(model)
     if any(o.name == GUESS_OUTPUT for o in model.graph.output):
         raise ExportError("the target graph's guess head could not be removed; re-export the bundle")
+    chain_depth = chain_depth if follow_chosen else 0
     started = time.perf_counter()
-    hidden, labels, chosen = collect(spec, rows, vocab_size, log, threads)
+    scored = collect(spec, rows, vocab_size, log, threads)
+    hidden, tokens, labels = chain_examples(scored, chain_depth)
+    del scored
     log(f"      {len(labels)} positions scored by the target ({time.perf_counter() - started:.0f} s)")
     embedding = _embedding(model, spec.input_ids, spec.file)
-    params = train(hidden, labels, embedding, chosen if follow_chosen else None, vocab, epochs, seed, log=log)
+    params = train(hidden, labels[:, 0], embedding, tokens[:, 0] if follow_chosen else None, vocab, epochs, seed,
+                   log=log, chain=labels[:, 1:] if chain_depth else None)
     params["vocab_size"] = vocab_size
     del hidden, embedding
+    chain_file = spec.file.with_name(CHAIN_FILE)
+    if chain_depth:       # first the new chain graph (the manifest names it only once the head is written)
+        tmp = chain_file.with_name(CHAIN_FILE + f".partial-{os.getpid()}")
+        try:
+            onnx.save(chain_model(params, vocab_size, bits), str(tmp))
+            os.replace(tmp, chain_file)
+        finally:
+            tmp.unlink(missing_ok=True)
     attach(model, head_model(params, bits), spec.logits, spec.input_ids)
     save_graph_beside(model, spec.file, spec.file, "guess-head")
-    return {"output": GUESS_OUTPUT, "vocab": int(len(params["ids"])), "bits": bits,
-            "train_positions": params["train_positions"], "heldout_positions": params["heldout_positions"],
-            "heldout_agreement": round(params["agreement"], 4), "epochs": epochs,
-            "reads_chosen_token": bool(follow_chosen)}
+    if not chain_depth:
+        chain_file.unlink(missing_ok=True)
+    entry = {"output": GUESS_OUTPUT, "vocab": int(len(params["ids"])), "bits": bits,
+             "train_positions": params["train_positions"], "heldout_positions": params["heldout_positions"],
+             "heldout_agreement": round(params["agreement"], 4), "epochs": epochs,
+             "reads_chosen_token": bool(follow_chosen)}
+    if chain_depth:
+        entry["chain"] = {"file": CHAIN_FILE, "state_output": STATE_OUTPUT, "trained_positions": chain_depth,
+                          "heldout_agreement": [round(x, 4) for x in params["chain_agreement"]]}
+    return entry
 
 
 def record(manifest: dict, entry: dict, target_file: Path) -> None:
-    """Declare the head written into `target_file` in the bundle's manifest (in place)."""
+    """Declare the head written into `target_file` (and its chain graph beside it) in the bundle's
+    manifest (in place)."""
     from .onnx_export import model_files
 
     target = manifest["models"]["target"]
     target["outputs"]["guess"] = GUESS_OUTPUT
+    target["outputs"].pop("guess_state", None)
+    target.pop("guess_chain", None)
+    if "chain" in entry:
+        target["outputs"]["guess_state"] = STATE_OUTPUT
+        target["guess_chain"] = f"{target_file.parent.name}/{entry['chain']['file']}"
     target["size_bytes"] = sum(f.stat().st_size for f in model_files(target_file))
     manifest["guess_head"] = entry
 

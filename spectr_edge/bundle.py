@@ -65,6 +65,9 @@ class ModelSpec:
                                           # only (export/logits_keep.py); None: every position's
     guess: str | None = None              # int64 [batch, rows] output: per logits row, the guessed token after the
                                           # one that row chooses (export/guess_head.py); None: no guess head
+    guess_state: str | None = None        # float [batch, rows, D] output: the guess head's state per row, where
+                                          # its chain graph continues (None: one guess per row only)
+    guess_chain: Path | None = None       # the chain graph: (state, token) -> (next state, next guessed token)
 
 
 @dataclass(frozen=True)
@@ -216,12 +219,28 @@ def _model_spec(bundle: Path, role: str, f: _Fields) -> ModelSpec:
         call_multiple=f.get("call_token_multiple", int, required=False, default=1, minimum=1),
         logits_keep=inputs.name("logits_keep", required=False),
         guess=outputs.name("guess", required=False),
+        guess_state=outputs.name("guess_state", required=False),
+        guess_chain=_guess_chain(bundle, f),
     )
     if len(spec.past) != spec.num_layers or len(spec.present) != spec.num_layers:
         raise BundleError(f"spectr.json {where} declares {spec.num_layers} layers but {len(spec.past)} past and "
                           f"{len(spec.present)} present pairs; the bundle is corrupt, re-export it")
     _check_file_sizes(bundle, role, f, model_file)
     return spec
+
+
+def _guess_chain(bundle: Path, f: _Fields) -> Path | None:
+    rel = f.get("guess_chain", str, required=False)
+    if rel is None:
+        return None
+    path = _inside(bundle, rel, f"{f.where}.guess_chain")
+    if not path.is_file():
+        raise BundleError(f"the guess head's chain graph {path} is missing; re-run spectr-edge export "
+                          "--add-guess-head on the bundle")
+    if "guess_state" not in f.obj.get("outputs", {}):
+        raise BundleError(f"spectr.json {f.where}.guess_chain needs the outputs.guess_state it continues from; "
+                          "re-run spectr-edge export --add-guess-head on the bundle")
+    return path
 
 
 def _choice(f: _Fields, key: str, allowed: tuple[str, ...], default: str) -> str:

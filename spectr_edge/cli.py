@@ -339,6 +339,11 @@ def info(bundle):
     click.echo(f"guess head: the target guesses the token after its next one ({head.get('vocab', '?')} tokens, "
                f"agreement with its own greedy choice on held-out text {head.get('heldout_agreement', float('nan')):.3f})"
                if head else "guess head: none (spectr-edge export --add-guess-head)")
+    chain = (head or {}).get("chain") if b.target.guess_chain else None
+    if isinstance(chain, dict):
+        click.echo("  chain: further guesses from its own state (" + b.target.guess_chain.name + "), held-out "
+                   "agreement at positions 2, 3, ... given the earlier ones: "
+                   + " ".join(f"{a:.2f}" for a in chain.get("heldout_agreement", [])))
     tuned = b.manifest.get("tuning")
     if tuned:
         curve = dict((int(n), c) for n, c in b.manifest["models"]["target"].get("cost_curve", []))
@@ -425,7 +430,8 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
 @click.option("--add-guess-head", is_flag=True,
               help="Train the target's guess head for the existing bundle at --out (~14 min for a 1.5B target on "
                    "2 cores): the target graph also guesses the token after its next one, prompt lookup's "
-                   "free draft on int4/int8/w8a8 targets. Replaces an earlier head.")
+                   "free draft on int4/int8/w8a8 targets, and a small chain graph the tokens after it. "
+                   "Replaces an earlier head.")
 @click.option("--guess-head/--no-guess-head", default=None,
               help="Train the target's guess head at export [default: for int4/int8/w8a8 targets, whose "
                    "default drafter uses it; ~9 min more].")

@@ -81,6 +81,8 @@ class Step:
     stats: GenerationStats
     guess: int | None = None                   # the target guess head's token for after ids[-1], if any
     history: TokenHistory | None = None        # with penalties: the committed tokens they read
+    chain: object = None                       # n -> the guess head's n further guesses after `guess` (its
+                                               # chain graph; None without one)
 
     def processed(self, logits: np.ndarray, paths) -> np.ndarray:
         """Draft logits # [rows, W] with penalties applied from each row's path of drafted tokens
@@ -398,7 +400,7 @@ class Lookup(NoDraft):
     def propose(self, step: Step) -> Proposal:
         if step.budget < 1:
             return PLAIN
-        draft, ngram = self.lookup.propose(step.ids, step.budget, step.guess)
+        draft, ngram = self.lookup.propose(step.ids, step.budget, step.guess, step.chain)
         if not draft:
             return PLAIN
         return Proposal([draft], ONE_HOT, kind="guess" if ngram == GUESS else "lookup", chose_last=True, note=ngram)

@@ -27,7 +27,7 @@ from .drafters import (GREEDY, KSEQ, ONE_HOT, SEQUOIA, WALK, DraftCosts, DraftMo
 from .lookup import PromptLookup
 from .onnx_model import OnnxLM
 from .options import DecodeOptions
-from .policy import AdaptiveLength, CostCurve
+from .policy import AdaptiveLength, CostCurve, default_draft_cost
 from .prefix_cache import CachedPrefix, PrefixCache
 from .recording import Recorder, Recording
 from .sampling import SamplingParams, TokenHistory, greedy_token, logits_to_probs, sample
@@ -116,6 +116,10 @@ class Engine:
         self.eos_ids: frozenset[int] = frozenset()         # generation stops after any of these
         self.recorder: Recorder | None = None              # opt-in: the target's top-k at kept positions
         self.context_length = target.spec.context_length
+        # one guess of the guess head's chain graph, in target decode steps (weight bytes, as the draft's)
+        self.chain_cost = (default_draft_cost(target.spec.size_bytes, target.chain.bytes)
+                           if target.chain is not None else 0.0)
+        self.chain_prior: list[float] = []   # its acceptance at chain positions 2, 3, ... as the export measured
         if draft is not None:
             self.context_length = min(self.context_length, draft.spec.context_length)
 
@@ -150,7 +154,8 @@ class Engine:
         # model by the adaptive rule (before the model otherwise they would leave it nothing to draft)
         guess_role = opts.drafter == "lookup" or opts.adaptive
         lookup = PromptLookup(self.cost, opts.lookup_len, max_ngram=opts.lookup_ngram[1],
-                              min_ngram=opts.lookup_ngram[0], table=self.lookup_table if guess_role else None)
+                              min_ngram=opts.lookup_ngram[0], table=self.lookup_table if guess_role else None,
+                              chain_cost=self.chain_cost, chain_prior=self.chain_prior)
         if opts.drafter == "lookup":
             return LookupTrie(lookup, opts.lookup_candidates) if opts.lookup_candidates > 1 else Lookup(lookup, True)
         return LookupFirst(Lookup(lookup, guess_role), model, getattr(model, "adaptive", None))
@@ -185,6 +190,7 @@ class Engine:
         drafter.start(ids, opts.draft_window, reused)
         wants_guess = drafter.wants_guess and self.target.spec.guess is not None
         guess = self.target.guess_after(-1) if wants_guess else None
+        chain = self.target.chain_after(-1, guess) if guess is not None else None
         emitted, clock, clean = 1, time.perf_counter, True
         rule = (lambda p: GREEDY) if sampling.greedy else (lambda p: p.rule)   # temperature 0: the exact walk
         try:
@@ -194,7 +200,7 @@ class Engine:
                 # a step emits up to L + 1 tokens; never draft past the budget or the context
                 budget = min(opts.max_new_tokens - emitted - 1, self.context_length - len(ids) - 1)
                 t0 = clock()
-                proposal = drafter.propose(Step(ids, budget, sampling, rng, stats, guess, history))   # 1. propose
+                proposal = drafter.propose(Step(ids, budget, sampling, rng, stats, guess, history, chain))  # 1. propose
                 t1 = clock()
                 scored = self._score(ids, cache, proposal, stats, sampling, history)                 # 2. score
                 t2 = clock()
@@ -208,7 +214,9 @@ class Engine:
                                   outcome.accepted)
                 stats.add_times(propose=t1 - t0, score=t2 - t1, select=t3 - t2, commit=clock() - t3)
                 if wants_guess:
-                    guess = self.target.guess_after(len(outcome.tokens) - 1) if proposal.chose_last else None
+                    row = len(outcome.tokens) - 1
+                    guess = self.target.guess_after(row) if proposal.chose_last else None
+                    chain = self.target.chain_after(row, guess) if guess is not None else None
                 ids.extend(outcome.tokens)
                 if history is not None:
                     history.extend(outcome.tokens)

@@ -85,6 +85,12 @@ class Generator:
             self.engine.recorder = record if isinstance(record, Recorder) else \
                 Recorder(record, bundle.tokenizer.vocab_size, bundle.tokenizer.vocab_sha256)
         self._lock = threading.Lock()
+        head = bundle.manifest.get("guess_head")
+        chain = head.get("chain") if isinstance(head, dict) else None
+        agreement = chain.get("heldout_agreement") if isinstance(chain, dict) else None
+        if self.target.chain is not None and isinstance(agreement, list) and \
+                all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in agreement):
+            self.engine.chain_prior = [float(a) for a in agreement]
         if bundle.lookup_table is not None:
             try:
                 self.engine.lookup_table = NgramTable.load(bundle.lookup_table)

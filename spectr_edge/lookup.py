@@ -31,16 +31,20 @@ class PromptLookup:
     """The drafter and its per-generation acceptance statistics."""
 
     def __init__(self, cost: CostCurve, max_len: int, max_ngram: int = 3, min_ngram: int = 1,
-                 table: NgramTable | None = None):
+                 table: NgramTable | None = None, chain_cost: float = 0.0, chain_prior=()):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
         self.cost, self.max_len = cost, max_len
+        self.chain_cost = chain_cost      # one guess of the head's chain graph, in target decode steps
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.table = table
         # sizes -1 / -2: a one-token guess from the static table after one / two tokens
         sizes = list(range(min_ngram, max_ngram + 1)) + ([-1, -2] if table is not None else [])
         self.accepted = {n: PRIOR_ACCEPTED for n in sizes}
         self.reached = {n: PRIOR_REACHED for n in sizes}
+        # the guess head's chain positions 2, 3, ...: priors from the export's held-out agreement, worth
+        # as many observations as the others' (the last one for later positions); else 0.5
+        self.chain_prior = [float(a) for a in chain_prior]
 
     def search(self, ids, limit: int) -> tuple[list[int], int]:
         """(continuation of the best earlier match, its n-gram size); ([], 0) when nothing matches.
@@ -62,27 +66,56 @@ class PromptLookup:
     def acceptance(self, n) -> float:
         return self.key_acceptance(n)
 
-    def rate(self, n: int, length: int) -> float:
-        """Expected tokens per unit of target time of verifying `length` tokens of an n-gram match."""
+    def rate(self, n, length: int) -> float:
+        """Expected tokens per unit of target time of verifying `length` tokens of an n-gram match (or
+        of the guess head's chain: its own acceptance per position, and each guess after the first
+        costs chain_cost)."""
+        if n == GUESS:
+            return self._guess_rates(length)[-1] if length else 1.0
         return step_rate(self.cost, 0.0, [self.acceptance(n)] * length)
 
-    def best_length(self, n: int, available: int) -> int:
+    def best_length(self, n, available: int) -> int:
         """Draft length in [0, available] with the most expected tokens per unit of target time
-        (policy.best_length with a free drafter and the same acceptance at every position)."""
+        (policy.best_length with a free drafter and the same acceptance at every position; for the
+        guess head's chain, its per-position acceptance and cost). The shortest wins ties."""
+        if n == GUESS:
+            rates = [1.0] + self._guess_rates(available)
+            best = 0
+            for length, r in enumerate(rates):
+                if r > rates[best] * (1 + 1e-9):
+                    best = length
+            return best
         return best_length(self.cost, 0.0, [self.acceptance(n)] * available)[0]
 
-    def propose(self, ids, limit: int, guess: int | None = None) -> tuple[list[int], object]:
+    def _guess_rates(self, upto: int) -> list[float]:
+        """Expected tokens per unit of target time of drafting the first 1 .. upto guesses of the chain.
+        Position j's acceptance (given the earlier ones) is key (GUESS, j), the first one's GUESS."""
+        rates, expected, reach = [], 1.0, 1.0
+        for j in range(upto):
+            reach *= self.key_acceptance(GUESS if j == 0 else (GUESS, j))
+            expected += reach
+            rates.append(expected / (self.cost(j + 2) + self.chain_cost * j))
+        return rates
+
+    def propose(self, ids, limit: int, guess: int | None = None, chain=None) -> tuple[list[int], object]:
         """The draft to verify this step (possibly empty) and its statistics key: the n-gram size
         (negative: the table's), or GUESS for the target's guess head.
 
-        guess: the target's guess-head token for after ids[-1] (export/guess_head.py). It replaces
-        the copied draft when a one-token draft of it is expected to yield more per unit of target
-        time, and the table's guess always."""
+        guess: the target's guess-head token for after ids[-1] (export/guess_head.py); chain: n -> the
+        head's n further guesses after it (its chain graph), or None. The guesses replace the copied
+        draft when they are expected to yield more per unit of target time, and the table's guess
+        always; how many are drafted follows their own per-position acceptance."""
         draft, n = self.search(ids, min(limit, self.max_len))
         if guess is not None and limit >= 1:
-            if not draft or (draft[0] != guess and self.rate(GUESS, 1) >
+            reach = min(limit, self.max_len) if chain is not None else 1
+            length = self.best_length(GUESS, reach)
+            if not draft or (draft[0] != guess and self.rate(GUESS, max(1, length)) >
                              self.rate(n, max(1, self.best_length(n, len(draft))))):
-                draft, n = [int(guess)], GUESS
+                if length <= 1:
+                    draft = [int(guess)]
+                else:
+                    draft = [int(guess)] + chain(length - 1)
+                n = GUESS
         if not draft and self.table is not None and limit >= 1:
             guess = self.table.guess(ids)
             if guess is not None:
@@ -91,8 +124,16 @@ class PromptLookup:
             return [], 0
         return draft[:self.best_length(n, len(draft))], n
 
-    def update(self, n: int, draft_len: int, accepted: int) -> None:
-        """Positions verified: accepted + 1 (the first rejected one) unless all were accepted."""
+    def update(self, n, draft_len: int, accepted: int) -> None:
+        """Positions verified: accepted + 1 (the first rejected one) unless all were accepted. The
+        guess head's chain keeps one estimate per position."""
+        if n == GUESS:
+            for j in range(min(accepted + 1, draft_len)):
+                key = GUESS if j == 0 else (GUESS, j)
+                self.key_acceptance(key)
+                self.reached[key] += 1
+                self.accepted[key] += j < accepted
+            return
         self.key_acceptance(n)                 # the key's prior, if it has none yet
         self.reached[n] += min(accepted + 1, draft_len)
         self.accepted[n] += accepted
@@ -143,8 +184,11 @@ class PromptLookup:
         return out
 
     def key_acceptance(self, key) -> float:
-        self.accepted.setdefault(key, PRIOR_ACCEPTED)
-        self.reached.setdefault(key, PRIOR_REACHED)
+        if key not in self.reached:
+            prior = PRIOR_ACCEPTED / PRIOR_REACHED
+            if isinstance(key, tuple) and key[0] == GUESS and self.chain_prior:
+                prior = self.chain_prior[min(key[1], len(self.chain_prior)) - 1]
+            self.accepted[key], self.reached[key] = prior * PRIOR_REACHED, PRIOR_REACHED
         return self.accepted[key] / self.reached[key]
 
     def propose_trie(self, ids, limit: int, count: int) -> tuple[list[list[int]], list[tuple[list[int], object, int]]]:

@@ -192,6 +192,9 @@ class OnnxLM:
         # guess_ids of the latest call # [batch, rows], aligned with the logits it returned (None
         # without a guess head): row i's guess for the token after the one row i's logits choose
         self.guess: np.ndarray | None = None
+        # the head's state per row of the latest call # [batch, rows, D], where its chain continues
+        self.guess_state: np.ndarray | None = None
+        self.chain = GuessChain(spec.guess_chain) if spec.guess_chain and spec.guess_state else None
         self.dtype = np.float16 if spec.dtype == "float16" else np.float32
         self.seconds = 0.0   # wall time spent inside session runs
         self.calls = 0
@@ -206,9 +209,10 @@ class OnnxLM:
             want_in.append(spec.position_ids)
         missing = [n for n in want_in if n not in have_in]
         missing += [n for n in [spec.logits] + [n for kv in spec.present for n in kv] if n not in have_out]
-        if spec.guess and spec.guess not in have_out:
-            raise BundleError(f"the {spec.role} graph lacks the '{spec.guess}' output its manifest declares; "
-                              "re-run spectr-edge export --add-guess-head on the bundle")
+        for declared in (spec.guess, spec.guess_state):
+            if declared and declared not in have_out:
+                raise BundleError(f"the {spec.role} graph lacks the '{declared}' output its manifest declares; "
+                                  "re-run spectr-edge export --add-guess-head on the bundle")
         if missing or len(spec.past) != spec.num_layers:
             raise BundleError(f"the {spec.role} graph lacks the expected KV-cache inputs/outputs "
                               f"({', '.join(missing[:3]) or 'layer count'}); export it with a KV cache "
@@ -236,6 +240,13 @@ class OnnxLM:
         if guess is None or not -guess.shape[1] <= row < guess.shape[1]:
             return None
         return int(guess[batch_row, row])
+
+    def chain_after(self, row: int, guess: int, batch_row: int = 0):
+        """The guess head's further guesses after `guess` (guess_after(row)), as a function of how many
+        are wanted (computed on first need, each once); None without a chain graph."""
+        if self.chain is None or self.guess_state is None:
+            return None
+        return self.chain.after(self.guess_state[batch_row, row], guess)
 
     def forward(self, input_ids: np.ndarray, cache: KVCache | BufferKVCache, tree: np.ndarray | None = None,
                 depth: np.ndarray | None = None, past_mask: np.ndarray | None = None,
@@ -298,6 +309,8 @@ class OnnxLM:
         binding.bind_output(self.spec.logits, self.device.kind, self.device.device_id)
         if self.spec.guess:
             binding.bind_output(self.spec.guess, self.device.kind, self.device.device_id)
+        if self.chain is not None:
+            binding.bind_output(self.spec.guess_state, self.device.kind, self.device.device_id)
         started = time.perf_counter()
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()       # in binding order: the presents, then logits (and guess ids)
@@ -305,6 +318,8 @@ class OnnxLM:
         logits = self.device.fetch(outputs[n])
         if self.spec.guess:
             self.guess = self.device.fetch(outputs[n + 1])
+        if self.chain is not None:
+            self.guess_state = self.device.fetch(outputs[-1])
         self.seconds += time.perf_counter() - started
         self.calls += 1
         cache.commit(new)
@@ -344,4 +359,41 @@ class OnnxLM:
         cache.crop(length + new)
         if self.guess is not None:
             self.guess = self.guess[:, :self.guess.shape[1] - pad]
+        if self.guess_state is not None:
+            self.guess_state = self.guess_state[:, :self.guess_state.shape[1] - pad]
         return logits[:, :logits.shape[1] - pad]
+
+
+class GuessChain:
+    """The guess head's chain graph (export/guess_head.py): from the head's state at a row and the
+    token it guessed, the next guess and state, one small call per token (its 8-bit matmuls read
+    about 7 MB for the 1.5B target). It runs on the CPU, one thread: a call is too small to share."""
+
+    def __init__(self, path: Path):
+        ort = onnxruntime()
+        opts = _session_options(1, False)
+        try:
+            self.session = ort.InferenceSession(str(path), opts, providers=[_ORT["cpu"]])
+        except Exception as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise BundleError(f"the guess head's chain graph {path} could not be loaded, it is corrupt or truncated "
+                              f"({first[:200]}); re-run spectr-edge export --add-guess-head on the bundle") from None
+        self.bytes = path.stat().st_size
+        self.seconds = 0.0
+        self.calls = 0
+
+    def after(self, state: np.ndarray, guess: int):
+        """A function n -> the n guesses after `guess` (a list; computed once, extended on demand)."""
+        tokens: list[int] = []
+        current = [np.ascontiguousarray(state, dtype=np.float32)[None], np.asarray([guess], dtype=np.int64)]
+
+        def upto(n: int) -> list[int]:
+            while len(tokens) < n:
+                started = time.perf_counter()
+                current[:] = self.session.run(None, {"state": current[0], "token": current[1]})
+                self.seconds += time.perf_counter() - started
+                self.calls += 1
+                tokens.append(int(current[1][0]))
+            return tokens[:n]
+
+        return upto

@@ -22,7 +22,9 @@ class GenerationStats:
     lookup_tries: int = 0            # of those, steps whose copied candidates formed a trie of several branches
     lookup_drafted: int = 0
     lookup_accepted: int = 0
-    guess_steps: int = 0             # lookup steps whose draft was the target's guess-head token (one token)
+    guess_steps: int = 0             # lookup steps whose draft was the target's guess head's (its first guess,
+                                     # and with a chain graph its further guesses)
+    guess_drafted: int = 0
     guess_accepted: int = 0
     scored: int = 0                  # tokens the target scored in speculative steps (rows x (L+1), or trie nodes)
     cost_units: float = 0.0          # predicted decode-phase cost, in target decode steps: the cost curve for
@@ -64,6 +66,7 @@ class GenerationStats:
             self.lookup_tries += len(rows) > 1
         if kind == "guess":
             self.guess_steps += 1
+            self.guess_drafted += depth
             self.guess_accepted += accepted
 
     def add_times(self, propose: float = 0.0, score: float = 0.0, select: float = 0.0, commit: float = 0.0) -> None:
@@ -134,7 +137,7 @@ class GenerationStats:
                              + (f", {self.lookup_tries} steps verified several candidates as one trie"
                                 if self.lookup_tries else "")
                              + (f"; the target's guess head drafted {self.guess_steps} of them, accepted "
-                                f"{self.guess_accepted}" if self.guess_steps else ""))
+                                f"{self.guess_accepted}/{self.guess_drafted} guesses" if self.guess_steps else ""))
         else:
             lines.append("target only (no draft)")
         lines.append(f"calls: target {self.target_calls}, draft {self.draft_calls}; time: target "

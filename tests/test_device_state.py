@@ -64,7 +64,8 @@ def test_device_graphs_decode_like_the_host(request, which):
 
 def test_only_logits_cross_to_the_host(toy_tree, tiny_qwen_bundle, monkeypatch):
     """Across whole generations (prefill, chains, k rows, tries, draft trees, rollback, gathers) on the
-    GPU's code path, every array copied out of ONNX Runtime is a call's logits or guess ids: never a
+    GPU's code path, every array copied out of ONNX Runtime is a call's logits, guess ids or guess-head
+    states: never a
     KV-cache tensor (rank 4), and the device's transfer count says so."""
     fetched = []
     real = ort.OrtValue.numpy
@@ -83,7 +84,9 @@ def test_only_logits_cross_to_the_host(toy_tree, tiny_qwen_bundle, monkeypatch):
             gen.generate_ids([1, 2, 3, 1, 2], max_new_tokens=16, seed=1, **policy)
         new = fetched[len(before):]
         assert new and all(len(shape) <= 3 for shape in new), sorted(set(new))
-        assert all(shape[-1] == width for shape in new if len(shape) == 3), sorted(set(new))
+        state = gen.target.guess_state          # the guess head's state rows, where its chain continues
+        widths = {width} | ({state.shape[-1]} if state is not None else set())
+        assert all(shape[-1] in widths for shape in new if len(shape) == 3), sorted(set(new))
         moved = gen.target.device.transfers.bytes          # one device object serves both models here
         assert moved == sum(4 * int(np.prod(shape)) for shape in new if len(shape) == 3) + \
             sum(8 * int(np.prod(shape)) for shape in new if len(shape) == 2)

@@ -149,7 +149,8 @@ def test_manifest_matches_format_and_graph(name, request):
         else:                # tiny-llama, exported with tree_mask=False and logits_keep=False
             assert "logits_keep" not in e["inputs"]
             assert ins == [e["inputs"]["input_ids"], e["inputs"]["attention_mask"], e["inputs"]["position_ids"]] + past
-        assert outs == [e["outputs"]["logits"]] + present + [e["outputs"][k] for k in ("guess",) if k in e["outputs"]]
+        assert outs == [e["outputs"]["logits"]] + present + [e["outputs"][k] for k in ("guess", "guess_state")
+                                                                 if k in e["outputs"]]
         assert len(e["inputs"]["past"]) == e["num_layers"] and past[0] == "past_key_values.0.key"
         kv_shape = next(i for i in sess.get_inputs() if i.name == past[0]).shape
         assert kv_shape[1] == e["num_kv_heads"] == 2 and kv_shape[3] == e["head_dim"] == 16

@@ -55,6 +55,57 @@ def test_head_graph_computes_the_formula(follow_chosen):
     assert np.mean(_run_head(quantized, feeds) == want) >= 0.9
 
 
+def test_chain_graph_computes_the_formula_and_the_head_returns_its_state():
+    """next_state = g + SiLU(g A2 + EB2[col(token)] + a2), next_token = ids[argmax(next_state E + c)];
+    the head graph with a chain also returns its state g. The 8-bit chain agrees on nearly every row."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(1)
+    d, v, vocab = 128, 40, 300
+    ids = rng.permutation(vocab)[:v].astype(np.int64)
+    params = {"A": rng.normal(0, 0.1, (d, d)).astype(np.float32), "a": rng.normal(0, 0.1, d).astype(np.float32),
+              "E": rng.normal(0, 1, (d, v)).astype(np.float32), "c": rng.normal(0, 1, v).astype(np.float32),
+              "ids": ids, "A2": rng.normal(0, 0.1, (d, d)).astype(np.float32),
+              "a2": rng.normal(0, 0.1, d).astype(np.float32), "EB2": rng.normal(0, 1, (v, d)).astype(np.float32)}
+    g = rng.normal(0, 1, (64, d)).astype(np.float32)
+    tokens = ids[rng.integers(0, v, 64)]
+    col = {int(t): i for i, t in enumerate(ids)}
+    pre = g @ params["A2"] + params["EB2"][[col[int(t)] for t in tokens]] + params["a2"]
+    want_state = g + pre / (1 + np.exp(-pre))
+    want = ids[np.argmax(want_state @ params["E"] + params["c"], axis=-1)]
+
+    def run(model):
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return sess.run(["next_state", "next_token"], {"state": g, "token": tokens})
+
+    state, token = run(guess_head.chain_model(params, vocab, bits=0))
+    np.testing.assert_allclose(state, want_state, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(token, want)
+    assert np.mean(run(guess_head.chain_model(params, vocab, bits=8))[1] == want) >= 0.9
+    h = rng.normal(0, 1, (1, 5, d)).astype(np.float32)
+    sess = ort.InferenceSession(guess_head.head_model(params, bits=0).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    pre = h @ params["A"] + params["a"]
+    np.testing.assert_allclose(sess.run([guess_head.STATE_OUTPUT], {"hidden": h})[0], h + pre / (1 + np.exp(-pre)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_chain_examples_follow_each_row_and_stop_at_its_end():
+    """Position t of a row: the token its row chooses (greedy[t]), then labels greedy[t + 1 ...], -1 past
+    the row's end; rows never run into each other."""
+    d = 4
+    scored = [(np.arange(5 * d, dtype=np.float32).reshape(5, d), np.asarray([10, 11, 12, 13, 14])),
+              (np.zeros((3, d), np.float32), np.asarray([20, 21, 22]))]
+    hidden, tokens, labels = guess_head.chain_examples(scored, 2)
+    assert hidden.shape == (4 + 2, d) and tokens.shape == labels.shape == (6, 3)
+    np.testing.assert_array_equal(hidden[1], scored[0][0][1])
+    np.testing.assert_array_equal(tokens[0], [10, 11, 12])
+    np.testing.assert_array_equal(labels[0], [11, 12, 13])
+    np.testing.assert_array_equal(labels[3], [14, -1, -1])
+    np.testing.assert_array_equal(tokens[4], [20, 21, 22])
+    np.testing.assert_array_equal(labels[5], [22, -1, -1])
+
+
 def test_exported_bundle_has_a_trained_head(tiny_qwen_bundle):
     """The export trained a head on conversation from the tiny draft; it beats the table's kind of
     guess by far on held-out text (the tiny models are near-deterministic, so it can learn them)."""
@@ -68,6 +119,13 @@ def test_exported_bundle_has_a_trained_head(tiny_qwen_bundle):
     graph = onnx.load(str(b.target.file), load_external_data=False).graph
     assert sum(o.name == guess_head.GUESS_OUTPUT for o in graph.output) == 1
     assert [n.op_type for n in graph.node if n.name.startswith(guess_head.PREFIX)].count("MatMulNBits") == 3
+    # its chain: the graph returns the head's state, the chain graph sits beside it, both declared
+    assert b.target.guess_state == guess_head.STATE_OUTPUT
+    assert sum(o.name == guess_head.STATE_OUTPUT for o in graph.output) == 1
+    assert b.target.guess_chain == b.target.file.with_name(guess_head.CHAIN_FILE) and b.target.guess_chain.is_file()
+    chain = entry["chain"]
+    assert chain["trained_positions"] == guess_head.CHAIN_DEPTH == len(chain["heldout_agreement"])
+    assert chain["heldout_agreement"][0] > 0.3, chain       # the tiny models are near-deterministic
 
 
 def test_lookup_with_guess_head_is_exact_greedy_and_uses_the_right_row(tiny_qwen_bundle, monkeypatch):
@@ -88,13 +146,13 @@ def test_lookup_with_guess_head_is_exact_greedy_and_uses_the_right_row(tiny_qwen
     from spectr_edge.generator import Generator
     from spectr_edge.onnx_model import OnnxLM
 
-    seen: list[tuple[list[int], int]] = []
+    seen: list[tuple[list[int], int, list[int]]] = []
     original = lookup.PromptLookup.propose
 
-    def spy(self, ids, limit, guess=None):
-        draft, key = original(self, ids, limit, guess)
+    def spy(self, ids, limit, guess=None, chain=None):
+        draft, key = original(self, ids, limit, guess, chain)
         if key == lookup.GUESS and draft:
-            seen.append((list(ids), int(guess)))
+            seen.append((list(ids), int(guess), list(draft)))
         return draft, key
 
     monkeypatch.setattr(lookup.PromptLookup, "propose", spy)
@@ -102,7 +160,7 @@ def test_lookup_with_guess_head_is_exact_greedy_and_uses_the_right_row(tiny_qwen
     bundle = dataclasses.replace(bundle, target=dataclasses.replace(bundle.target, min_call_tokens=2,
                                                                     call_multiple=2))
     gen = Generator(bundle, provider="cpu", threads=1)
-    steps = accepted = 0
+    steps = accepted = drafted = 0
     for prompt in PROMPTS:
         ids = gen.codec.tokenizer.encode(prompt).ids
         plain = gen.generate_ids(ids, max_new_tokens=40, num_candidates=0)
@@ -110,12 +168,16 @@ def test_lookup_with_guess_head_is_exact_greedy_and_uses_the_right_row(tiny_qwen
         assert res.token_ids == plain.token_ids, prompt
         steps += res.stats.guess_steps
         accepted += res.stats.guess_accepted
+        drafted += res.stats.guess_drafted
     assert steps >= 20 and 0 < accepted, (steps, accepted)
+    assert drafted > steps, (drafted, steps)              # the chain drafted further guesses on some steps
     assert len(seen) == steps
     target = OnnxLM(gen.engine.target.spec, provider="cpu", threads=1)
-    for ids, guess in seen:
+    for ids, guess, draft in seen:
         target.forward(np.asarray([ids[:-1]], dtype=np.int64), target.new_cache(), last=1)
-        assert int(target.guess[0, -1]) == guess, (len(ids), guess)
+        assert int(target.guess[0, -1]) == guess == draft[0], (len(ids), guess)
+        # the chain continues from the state of the same row
+        assert target.chain_after(-1, guess)(len(draft) - 1) == draft[1:], (len(ids), draft)
 
 
 def test_add_guess_head_replaces_the_head_in_place(tiny_bundle, tmp_path):
@@ -131,7 +193,8 @@ def test_add_guess_head_replaces_the_head_in_place(tiny_bundle, tmp_path):
         assert "held-out" in res.stdout
         graph = onnx.load(str(out / "target" / "model.onnx"), load_external_data=False).graph
         assert sum(o.name == guess_head.GUESS_OUTPUT for o in graph.output) == 1
-        assert sum(n.name.startswith(guess_head.PREFIX) for n in graph.node) == 14
+        assert sum(n.name.startswith(guess_head.PREFIX) for n in graph.node) == 15   # with the state's Identity
+        assert (out / "target" / guess_head.CHAIN_FILE).is_file()
         entry = json.loads((out / "spectr.json").read_text())["models"]["target"]
         assert entry["outputs"]["guess"] == guess_head.GUESS_OUTPUT
         assert entry["size_bytes"] == sum(f.stat().st_size for f in (out / "target").glob("model.onnx*"))
@@ -140,3 +203,19 @@ def test_add_guess_head_replaces_the_head_in_place(tiny_bundle, tmp_path):
     bad = subprocess.run(cli + ["export", "--add-guess-head", "--out", str(tmp_path / "none")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "bundle" in bad.stderr
+
+
+def test_missing_or_corrupt_chain_graph_is_a_one_line_error(tiny_qwen_bundle, tmp_path):
+    """A bundle whose manifest names a chain graph that is gone or corrupt fails to load with the fix."""
+    import spectr_edge
+    from spectr_edge.errors import BundleError
+
+    out = tmp_path / "bundle"
+    shutil.copytree(tiny_qwen_bundle, out)
+    chain = out / "target" / guess_head.CHAIN_FILE
+    chain.write_bytes(b"not an onnx graph")
+    with pytest.raises(BundleError, match="chain graph .* corrupt .*--add-guess-head"):
+        spectr_edge.load(out, provider="cpu", load_draft=False)
+    chain.unlink()
+    with pytest.raises(BundleError, match="chain graph .* missing; re-run spectr-edge export --add-guess-head"):
+        spectr_edge.load(out, provider="cpu", load_draft=False)

@@ -104,6 +104,35 @@ def test_propose_falls_back_to_the_table_only_without_a_match(tmp_path):
     assert lk.propose([1, 2, 3, 4], 8)[0] == []              # where a second token costs, a bad guess is dropped
 
 
+def test_guess_chain_drafts_as_many_guesses_as_their_acceptance_pays_for():
+    """The guess head's chain: as many guesses as the per-position acceptance pays for, starting from
+    the export's measured agreement, one guess again once the later positions fail; each position
+    keeps its own estimate, and the chain is asked for exactly the guesses drafted."""
+    from spectr_edge.lookup import GUESS
+
+    asked = []
+
+    def chain(n):
+        asked.append(n)
+        return [20 + j for j in range(n)]
+
+    cost = CostCurve([(1, 1.0), (2, 1.0), (3, 1.3), (4, 1.4), (5, 1.5), (9, 1.9)])   # padded, as int4
+    text = [1, 2, 3, 4]                                       # nothing to copy: the guesses decide
+    lk = PromptLookup(cost, max_len=6, chain_cost=0.01)
+    assert lk.propose(text, 8, guess=9, chain=chain) == ([9], GUESS)   # no prior: 0.5 does not pay here
+    lk = PromptLookup(cost, max_len=6, chain_cost=0.01, chain_prior=[0.95, 0.9])
+    assert lk.key_acceptance((GUESS, 1)) == 0.95 and lk.key_acceptance((GUESS, 4)) == 0.9
+    draft, key = lk.propose(text, 8, guess=9, chain=chain)
+    assert key == GUESS and draft == [9, 20, 21, 22, 23, 24] and asked[-1] == 5   # the whole chain
+    assert lk.propose(text, 3, guess=9, chain=chain)[0] == [9, 20, 21]            # within the step's budget
+    for _ in range(20):                                        # only the first guess holds
+        draft, _ = lk.propose(text, 8, guess=9, chain=chain)
+        lk.update(GUESS, len(draft), min(1, len(draft)))
+    assert lk.propose(text, 8, guess=9, chain=chain)[0] == [9]
+    assert lk.key_acceptance(GUESS) > 0.9 > 0.5 > lk.key_acceptance((GUESS, 1))   # dropped after a few misses
+    assert lk.propose(text, 8, guess=9)[0] == [9]             # no chain graph: one guess, as before
+
+
 def test_stdlib_table_is_reproducible(tmp_path):
     """Built twice from the standard library with the same tokenizer: the same arrays."""
     import json

@@ -162,8 +162,9 @@ class Draws:
     lookup_steps: int = 0         # steps that verified a prompt-lookup draft
     undrafted: int = 0            # steps the adaptive length rule decoded plainly
     lookup_tries: int = 0         # lookup steps that verified several candidates as one trie
-    guess_steps: int = 0          # lookup steps whose draft was the target's guess-head token
+    guess_steps: int = 0          # lookup steps whose draft was the target's guess head's
     guess_accepted: int = 0
+    guess_drafted: int = 0        # guesses those steps drafted (more than one per step: the chain's)
 
 
 def draw(gen, cfg: Config) -> Draws:
@@ -190,11 +191,11 @@ def draw(gen, cfg: Config) -> Draws:
         totals.update(accepted=s.accepted, drafted=s.drafted, target_calls=s.target_calls,
                       draft_calls=s.draft_calls, scored=s.scored, steps=s.steps, lookup_steps=s.lookup_steps,
                       undrafted=s.undrafted, lookup_tries=s.lookup_tries, guess_steps=s.guess_steps,
-                      guess_accepted=s.guess_accepted)
+                      guess_accepted=s.guess_accepted, guess_drafted=s.guess_drafted)
     return Draws(counts, cfg.draws, totals["accepted"], totals["drafted"], totals["target_calls"],
                  totals["draft_calls"], time.perf_counter() - started, totals["scored"], totals["steps"],
                  totals["lookup_steps"], totals["undrafted"], totals["lookup_tries"], totals["guess_steps"],
-                 totals["guess_accepted"])
+                 totals["guess_accepted"], totals["guess_drafted"])
 
 
 def check_law(draws: Draws, laws: dict[str, dict]) -> list[str]:
@@ -525,6 +526,43 @@ def test_guess_head_drafts_keep_the_target_law(bundle, guess_gen, cfg):
     assert draws.guess_steps > draws.n // 4, draws.guess_steps              # the guess really drafted
     assert 0 < draws.guess_accepted < draws.guess_steps, draws.guess_accepted
     assert_engine_follows_target(bundle, guess_gen, cfg, draws)
+
+
+@pytest.fixture(scope="module")
+def chain_gen(tmp_path_factory):
+    """The same toy target and draft, the target graph with a guess-head stand-in and the bundle with a
+    chain graph stand-in (toy_lm.chain_graph), so the head drafts several guesses per step."""
+    import spectr_edge
+
+    path = build_toy_bundle(tmp_path_factory.mktemp("toy_chain"), seed_target=11, seed_draft=12, guess=True,
+                            chain=True)
+    return spectr_edge.load(path, provider="cpu", threads=1)
+
+
+@pytest.mark.parametrize("cfg", [Config(1, 4, 1.0, prompt=SHORT_PROMPT, seed=40, drafter="lookup"),
+                                 Config(1, 4, 0.7, top_k=3, prompt=LONG_PROMPT, seed=41, drafter="model+lookup",
+                                        adaptive=True)],
+                         ids=str)
+def test_guess_chain_drafts_keep_the_target_law(bundle, chain_gen, cfg):
+    """The guess head's chain (several guesses per step, as many as its per-position acceptance pays
+    for) is a deterministic draft verified by the one-hot rule: the law stays the target's. Bound:
+    chi-square at p = 1e-4 per window, as every law test here."""
+    draws = draw(chain_gen, cfg)
+    assert draws.guess_steps > draws.n // 4, draws.guess_steps
+    assert draws.guess_drafted > 1.3 * draws.guess_steps, (draws.guess_drafted, draws.guess_steps)  # chains drafted
+    assert 0 < draws.guess_accepted < draws.guess_drafted, draws.guess_accepted
+    assert_engine_follows_target(bundle, chain_gen, cfg, draws)
+
+
+def test_negative_control_guess_chain_accepted_outright(bundle, chain_gen, monkeypatch):
+    """Accepting the chain's guesses outright (instead of w.p. q(x)) is detected by the same test."""
+    from spectr_edge import selection
+
+    monkeypatch.setattr(selection, "deterministic_select", lambda candidate, target_probs, rng: (int(candidate), True))
+    cfg = Config(1, 4, 1.0, prompt=SHORT_PROMPT, draws=NEGATIVE_DRAWS, seed=42, drafter="lookup")
+    draws = draw(chain_gen, cfg)
+    assert draws.guess_drafted > draws.guess_steps > 0
+    assert_law_rejected(bundle, cfg, draws)
 
 
 def test_negative_control_guess_accepted_outright(bundle, guess_gen, monkeypatch):

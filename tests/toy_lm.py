@@ -236,11 +236,12 @@ def _layer_names(l: int) -> tuple[str, str, str, str]:
             f"present.{l}.key", f"present.{l}.value")
 
 
-def build_graph(params: ToyParams, name: str, guess: bool = False) -> onnx.ModelProto:
+def build_graph(params: ToyParams, name: str, guess: bool = False, chain: bool = False) -> onnx.ModelProto:
     """The toy model as an ONNX graph with optimum-export I/O (see module docstring).
 
     guess: also output guess_ids # [batch, new] int64, a guess-head stand-in (export/guess_head.py):
-    each row's greedy token among the real ids, i.e. "the token after the next repeats it"."""
+    each row's greedy token among the real ids, i.e. "the token after the next repeats it".
+    chain: also output guess_state # [batch, new, V], the row's real logits (where chain_graph starts)."""
     D, W = params.head_dim, params.logits_width
     nodes, inits = [], []
 
@@ -297,12 +298,16 @@ def build_graph(params: ToyParams, name: str, guess: bool = False) -> onnx.Model
         real = node("Slice", ["logits", const("guess_starts", i64([0])), const("guess_ends", i64([params.vocab_size])),
                               const("guess_axes", i64([2]))], "guess_real_logits")   # [b, s, V]
         node("ArgMax", [real], "guess_ids", axis=-1, keepdims=0)                   # [b, s]
+        if chain:
+            node("Identity", [real], "guess_state")                                # [b, s, V]
     inputs = [helper.make_tensor_value_info("input_ids", i64t, ["batch", "new"]),
               helper.make_tensor_value_info("attention_mask", i64t, ["batch", "total"]),
               helper.make_tensor_value_info("position_ids", i64t, ["batch", "new"])]
     outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "new", W])]
     if guess:
         outputs.append(helper.make_tensor_value_info("guess_ids", i64t, ["batch", "new"]))
+    if guess and chain:
+        outputs.append(helper.make_tensor_value_info("guess_state", f32, ["batch", "new", params.vocab_size]))
     for l in range(params.num_layers):
         past_k, past_v, present_k, present_v = _layer_names(l)
         inputs += [helper.make_tensor_value_info(n, f32, ["batch", 1, "past", D]) for n in (past_k, past_v)]
@@ -312,6 +317,28 @@ def build_graph(params: ToyParams, name: str, guess: bool = False) -> onnx.Model
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                               producer_name="spectr-edge tests/toy_lm.py")
     model.ir_version = 8  # readable by any onnxruntime >= 1.14
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def chain_graph(vocab_size: int, seed: int = 0) -> onnx.ModelProto:
+    """A stand-in for the guess head's chain graph (export/guess_head.chain_model's I/O): state # [rows, V]
+    plus a fixed random row per token is the next state, its argmax the next guess. Any guesses keep the
+    output law; these are right often enough, and wrong often enough, for the law tests to see both."""
+    rng = np.random.default_rng(seed)
+    table = rng.normal(0.0, 1.5, (vocab_size, vocab_size)).astype(np.float32)
+    f32, i64t = TensorProto.FLOAT, TensorProto.INT64
+    nodes = [helper.make_node("Gather", ["T", "token"], ["step"], axis=0),
+             helper.make_node("Add", ["state", "step"], ["next_state"]),
+             helper.make_node("ArgMax", ["next_state"], ["next_token"], axis=-1, keepdims=0)]
+    graph = helper.make_graph(nodes, "toy_chain",
+                              [helper.make_tensor_value_info("state", f32, ["rows", vocab_size]),
+                               helper.make_tensor_value_info("token", i64t, ["rows"])],
+                              [helper.make_tensor_value_info("next_state", f32, ["rows", vocab_size]),
+                               helper.make_tensor_value_info("next_token", i64t, ["rows"])],
+                              initializer=[numpy_helper.from_array(table, "T")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
     return model
 
@@ -349,12 +376,14 @@ def build_tokenizer(vocab_size: int):
 
 
 def build_toy_bundle(out_dir, *, seed_target: int, seed_draft: int, vocab_size: int = 5,
-                     draft_closeness: float = 0.85, tree_mask: bool = False, guess: bool = False) -> Path:
+                     draft_closeness: float = 0.85, tree_mask: bool = False, guess: bool = False,
+                     chain: bool = False) -> Path:
     """Write a complete bundle (target + draft graphs, tokenizer, spectr.json) to out_dir.
 
     tree_mask: both graphs go through export/tree_mask.py (the shared `allowed` mask becomes
     the 4D input tree_attention_mask), so the engine verifies k > 1 candidates as a token trie.
-    guess: the target graph also outputs guess_ids (build_graph), declared in the manifest.
+    guess: the target graph also outputs guess_ids (build_graph), declared in the manifest; chain: and
+    guess_state, with chain_graph's stand-in as the bundle's guess chain.
     """
     out = Path(out_dir)
     target, draft = make_params(seed_target, seed_draft, vocab_size, draft_closeness)
@@ -368,7 +397,10 @@ def build_toy_bundle(out_dir, *, seed_target: int, seed_draft: int, vocab_size: 
     def model_entry(role: str, params: ToyParams) -> dict:
         (out / role).mkdir(exist_ok=True)
         with_guess = guess and role == "target"
-        graph = build_graph(params, f"toy_{role}", guess=with_guess)
+        graph = build_graph(params, f"toy_{role}", guess=with_guess, chain=with_guess and chain)
+        with_chain = with_guess and chain
+        if with_chain:
+            onnx.save(chain_graph(vocab_size), str(out / role / "guess_chain.onnx"))
         still_has_mask = True
         if tree_mask:
             from spectr_edge_export.tree_mask import add_tree_mask
@@ -394,7 +426,9 @@ def build_toy_bundle(out_dir, *, seed_target: int, seed_draft: int, vocab_size: 
             "context_length": CONTEXT_LENGTH,
             "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask" if still_has_mask else None,
                        "position_ids": "position_ids", "past": past},
-            "outputs": {"logits": "logits", "present": present, **({"guess": "guess_ids"} if with_guess else {})},
+            "outputs": {"logits": "logits", "present": present, **({"guess": "guess_ids"} if with_guess else {}),
+                        **({"guess_state": "guess_state"} if with_chain else {})},
+            **({"guess_chain": f"{role}/guess_chain.onnx"} if with_chain else {}),
             "tree_mask": "tree_attention_mask" if tree_mask else False,
             "parity_max_abs_diff": None,
             "size_bytes": (out / role / "model.onnx").stat().st_size,
