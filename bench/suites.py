@@ -18,6 +18,8 @@ own target-only, or another bundle's), group (methods that must fit in memory to
     trees        the float32 default chain against OPT-Trees and side leaves (greedy); k = 1 against
                  SpecTr k = 2 and Sequoia trees (temperature 1)
     guess        the int4 bundle with and without the target's guess head
+    guess-chain  the int4 bundle's default with the guess head's chain against its twin drafting one guess per
+                 step (bench/guess_chain_twin.py), both against the same target-only, and llama.cpp's Q4 decode
     prefill      the LM head on the prefill's last position only, against every position (TTFT)
     peers        spectr-edge against ORT GenAI, transformers' assisted generation and llama.cpp
     gpu          target-only, chains, SpecTr k = 4 and draft trees of 16-32 nodes (run with --provider cuda)
@@ -35,6 +37,7 @@ INT4_BUNDLE = MODELS / "default-int4"               # bench/quant_twin.py --targ
 INT8_BUNDLE = MODELS / "default-int8"               # bench/quant_twin.py --target-quant int8
 W8A8_BUNDLE = MODELS / "default-w8a8"               # bench/quant_twin.py --target-quant w8a8
 INT4_NOHEAD_BUNDLE = MODELS / "default-int4-nohead"  # the int4 twin without its guess head
+INT4_ONE_GUESS_BUNDLE = MODELS / "default-int4-one-guess"   # bench/guess_chain_twin.py: no chain graph
 ADAPTED = MODELS / "default-adapted"                # bench/draft_adaptation.py
 FULL_LOGITS = MODELS / "default-full-logits"        # bench/full_logits_twin.py
 INT4_FULL_LOGITS = MODELS / "default-int4-full-logits"
@@ -44,7 +47,7 @@ ADAPTATION_PROMPTS = ("de:ids-141,145,149,153,157,381,385,389,393,397,451,457,46
 PROMPTS = {"adaptation": ADAPTATION_PROMPTS, "spectr-grid": "first-20", "peers": "stratified-1",
            "policies": "stratified-1", "trees": "stratified-2",
            "int4-peers": "stratified-8", "int4-tuned": "stratified-2", "precisions": "stratified-2",
-           "prefill": "stratified-2", "guess": "stratified-8"}   # each suite's Spec-Bench prompts (default stratified-4)
+           "prefill": "stratified-2", "guess": "stratified-8", "guess-chain": "stratified-2"}   # each suite's Spec-Bench prompts (default stratified-4)
 
 
 # -- methods --------------------------------------------------------------------------------------
@@ -207,6 +210,10 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None,
             on = {**q(spectr_default(t)), "own_baseline": f"spectr-edge T={t:g} target-only [{tag_off}]"}
             out += [off(spectr(t, 0)), off(spectr_default(t)), q(spectr(t, 0)), on]
         return out + [LLAMACPP_Q4()]
+    if name == "guess-chain":   # the same head's chain against its first guess alone, one target-only for both
+        one = {**on_bundle(spectr_default(0.0), INT4_ONE_GUESS_BUNDLE, "int4 target, one guess per step"),
+               "own_baseline": "spectr-edge T=0 target-only [int4 target]"}
+        return precision_rows(int4, "int4 target") + [one, LLAMACPP_Q4()]
     if name == "prefill":       # the *-full-logits twins of bench/full_logits_twin.py
         return ([spectr(0.0, 0), spectr_default(0.0)] + precision_rows(FULL_LOGITS, "full logits")
                 + precision_rows(int4, "int4 target") + precision_rows(INT4_FULL_LOGITS, "int4 target, full logits"))
@@ -223,4 +230,4 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None,
                 tree_method(0.0, 32, 8), spectr(1.0, 0), spectr(1.0, 1, 4), spectr(1.0, 4, 4),
                 tree_method(1.0, 16, 5), tree_method(1.0, 32, 6)]
     raise SystemExit(f"error: unknown suite {name!r}; use one of default, policies, precisions, int4-peers, "
-                     "int4-tuned, spectr-grid, trees, guess, prefill, peers, gpu, adaptation")
+                     "int4-tuned, spectr-grid, trees, guess, guess-chain, prefill, peers, gpu, adaptation")

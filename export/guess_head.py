@@ -20,6 +20,17 @@ greedy choice at position t + 1 (what it would say after its own next token). A,
 (initialised from the embedding rows) are fitted by cross-entropy with torch (export extra); the
 head's matmuls are 8-bit MatMulNBits with int8 activations, 0.14 ms per call for the 1.5B target.
 
+With a chain (CHAIN_DEPTH > 0) the head also returns its state g (`guess_state` # [batch, rows, D]),
+and a small graph beside the target graph (CHAIN_FILE, chain_model) continues from it one guess at
+a time, a recurrent draft head in the manner of ReDrafter (Cheng et al. 2024):
+
+    g' = g + SiLU(g A2 + Emb[x'] B2 + a2)                          # x': the token just guessed
+    next guess = ids[argmax(g' E + c)]                             # the head's own output layer
+
+A2, B2 and a2 are trained with the head, unrolled CHAIN_DEPTH positions on the target's own greedy
+tokens (on the accepted path the guessed tokens are those tokens); the held-out agreement at each
+chain position, given the earlier ones, goes into the manifest as the runtime's prior.
+
 The head changes no logits: a guess is only ever a draft that the target verifies, so the output
 law and greedy equality are untouched whatever it guesses (engine.py uses it as prompt lookup's
 one-token draft when the text has no better match; at temperature > 0 the row's sampled token

@@ -14,6 +14,11 @@ wins whenever no L > 0 beats 1 / c(1) = 1, so a bad match costs nothing but the 
 curve comes from the bundle's manifest when `spectr-edge tune` measured one, else from defaults
 measured on a 2-core CPU (policy.py); only draft-side information and fixed numbers decide, so a
 seed gives the same output on every run and the law is unchanged.
+
+The target's guess head (export/guess_head.py) drafts too when the text has nothing better to copy:
+its first guess, and with a chain graph its further guesses, as many as their own per-position
+estimates pay for (position j given the earlier ones, from the export's held-out agreement as
+prior), each guess after the first adding the chain graph's cost.
 """
 
 from __future__ import annotations

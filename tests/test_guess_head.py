@@ -130,8 +130,9 @@ def test_exported_bundle_has_a_trained_head(tiny_qwen_bundle):
 
 def test_lookup_with_guess_head_is_exact_greedy_and_uses_the_right_row(tiny_qwen_bundle, monkeypatch):
     """Greedy --draft lookup on the head's bundle equals target-only decoding token for token, the
-    head drafted on many steps, and each guess it drafted is what the target graph guesses after a
-    fresh prefill of the same text (a guess read from the wrong row of a call would differ).
+    head drafted on many steps, its chain further guesses on some, and each guess it drafted is what
+    the target graph (and the chain graph from its state) guesses after a fresh prefill of the same
+    text (a guess or a state read from the wrong row of a call would differ).
 
     The target is read as the quantized targets that get a head by default are (calls padded to an
     even number of rows, at least 2: ModelSpec.min_call_tokens / call_multiple), so a one-token guess
