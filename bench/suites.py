@@ -19,7 +19,8 @@ own target-only, or another bundle's), group (methods that must fit in memory to
                  SpecTr k = 2 and Sequoia trees (temperature 1)
     guess        the int4 bundle with and without the target's guess head
     guess-chain  the int4 bundle's default with the guess head's chain against its twin drafting one guess per
-                 step (bench/guess_chain_twin.py), both against the same target-only, and llama.cpp's Q4 decode
+                 step (bench/guess_chain_twin.py: BUNDLE-one-guess), both against the same target-only, and
+                 llama.cpp's Q4 decode; --int4-bundle B measures B (any quantized target with a chain)
     prefill      the LM head on the prefill's last position only, against every position (TTFT)
     peers        spectr-edge against ORT GenAI, transformers' assisted generation and llama.cpp
     gpu          target-only, chains, SpecTr k = 4 and draft trees of 16-32 nodes (run with --provider cuda)
@@ -29,6 +30,7 @@ own target-only, or another bundle's), group (methods that must fit in memory to
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -165,6 +167,14 @@ def peers_suite(int4_bundle) -> list[dict]:
     return [{**m, "group": g} for g, ms in groups.items() for m in ms]
 
 
+def _target_quant(bundle) -> str:
+    """The bundle's target precision as its manifest names it (int4 when it cannot be read yet)."""
+    try:
+        return json.loads((Path(bundle) / "spectr.json").read_text())["models"]["target"].get("quant", "none")
+    except (OSError, ValueError, KeyError):
+        return "int4"
+
+
 def suite(name: str, all_configs: bool = False, other_bundle: str | None = None,
           adapted: list | None = None) -> list[dict]:
     """The methods of suite `name`; other_bundle replaces the int4 twin where a suite uses one; adapted:
@@ -211,9 +221,11 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None,
             out += [off(spectr(t, 0)), off(spectr_default(t)), q(spectr(t, 0)), on]
         return out + [LLAMACPP_Q4()]
     if name == "guess-chain":   # the same head's chain against its first guess alone, one target-only for both
-        one = {**on_bundle(spectr_default(0.0), INT4_ONE_GUESS_BUNDLE, "int4 target, one guess per step"),
-               "own_baseline": "spectr-edge T=0 target-only [int4 target]"}
-        return precision_rows(int4, "int4 target") + [one, LLAMACPP_Q4()]
+        twin = INT4_ONE_GUESS_BUNDLE if other_bundle is None else Path(f"{other_bundle}-one-guess")
+        tag = f"{_target_quant(int4)} target"
+        one = {**on_bundle(spectr_default(0.0), twin, f"{tag}, one guess per step"),
+               "own_baseline": f"spectr-edge T=0 target-only [{tag}]"}
+        return precision_rows(int4, tag) + [one, LLAMACPP_Q4()]
     if name == "prefill":       # the *-full-logits twins of bench/full_logits_twin.py
         return ([spectr(0.0, 0), spectr_default(0.0)] + precision_rows(FULL_LOGITS, "full logits")
                 + precision_rows(int4, "int4 target") + precision_rows(INT4_FULL_LOGITS, "int4 target, full logits"))

@@ -120,6 +120,7 @@ def sample_conversations(model: OnnxLM, codec: TextCodec, vocab_size: int, eos_i
             last = model.forward(nxt[:, None], cache)[:, -1]                         # [rows, W]
         produced += rows * steps
         rows_out.extend(out)
-        log(f"      sampled {min(produced, num_tokens)} of {num_tokens} tokens of conversation "
-            f"({time.perf_counter() - started:.0f} s)")
+        spent, done = time.perf_counter() - started, min(produced, num_tokens)
+        log(f"      sampled {done} of {num_tokens} tokens of conversation ({spent:.0f} s"
+            + (f", about {spent * (num_tokens - done) / done:.0f} s left)" if done < num_tokens else ")"))
     return rows_out
