@@ -58,8 +58,8 @@ def main(argv=None) -> None:
         return update(self, n, draft_len, acc)
 
     lookup.PromptLookup.update = counting
-    curve_name = ["own"]
-    gen.generate("Hello", max_new_tokens=8)                      # warm-up
+    curve_name = ["warm-up"]                                     # its steps are counted apart
+    gen.generate("Hello", max_new_tokens=8)
     runs = {"target-only": {}, "own": {}, "flat": {}}
     for i, p in enumerate(prompts):
         ids = codec.encode_prompt(p["prompt"])

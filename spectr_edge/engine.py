@@ -116,7 +116,8 @@ class Engine:
         self.eos_ids: frozenset[int] = frozenset()         # generation stops after any of these
         self.recorder: Recorder | None = None              # opt-in: the target's top-k at kept positions
         self.context_length = target.spec.context_length
-        # one guess of the guess head's chain graph, in target decode steps (weight bytes, as the draft's)
+        # one guess of the guess head's chain graph, in target decode steps, from file bytes as the draft's:
+        # 0.015 for the 1.5B int4 target, where a call measured 0.5 of ~70 ms (it reads one row of its table)
         self.chain_cost = (default_draft_cost(target.spec.size_bytes, target.chain.bytes)
                            if target.chain is not None else 0.0)
         self.chain_prior: list[float] = []   # its acceptance at chain positions 2, 3, ... as the export measured
