@@ -428,13 +428,13 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
               help="(Re)build prompt lookup's static next-token table of the existing bundle at --out "
                    "(new exports have it).")
 @click.option("--add-guess-head", is_flag=True,
-              help="Train the target's guess head for the existing bundle at --out (~14 min for a 1.5B target on "
+              help="Train the target's guess head for the existing bundle at --out (~30 min for a 1.5B target on "
                    "2 cores): the target graph also guesses the token after its next one, prompt lookup's "
                    "free draft on int4/int8/w8a8 targets, and a small chain graph the tokens after it. "
                    "Replaces an earlier head.")
 @click.option("--guess-head/--no-guess-head", default=None,
               help="Train the target's guess head at export [default: for int4/int8/w8a8 targets, whose "
-                   "default drafter uses it; ~9 min more].")
+                   "default drafter uses it; ~25 min more for a 1.5B target on 2 cores].")
 @click.option("--lookup-conversation-tokens", type=click.IntRange(min=0), default=None,
               help="Tokens of conversation sampled from the draft model (else the target) for prompt lookup's "
                    "next-token table, beside the Python library's source (0 = library only) [default: 65,536 "
