@@ -129,7 +129,10 @@ def test_manifest_matches_format_and_graph(name, request):
     from spectr_edge.ngram_table import NgramTable
     assert NgramTable.load(bundle / table["file"]).vocab == tok["vocab_size"]
     for role, e in m["models"].items():
-        assert set(e) - {"attention", "rotary"} == MODEL_KEYS, role
+        assert set(e) - {"attention", "rotary", "guess_chain"} == MODEL_KEYS, role
+        # the guess head's chain graph beside the target graph, where the bundle has a head
+        assert e.get("guess_chain") == (f"{role}/guess_chain.onnx" if role == "target" and "guess_head" in m
+                                        else None), role
         # tiny-qwen's graphs take the tree mask and their attention is fused (export/fuse_attention.py),
         # rotary embedding included (export/fuse_rotary.py)
         assert e.get("attention") == ("gqa" if e["tree_mask"] else None), role
