@@ -19,14 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spectr_edge_export.logits_keep import rewrite_graph  # noqa: E402
 from spectr_edge.bundle import write_manifest  # noqa: E402
-from harness import link_or_copy  # noqa: E402
+from harness import new_twin  # noqa: E402
 
 
 def main(src: str, dst: str) -> None:
-    src_dir, dst_dir = Path(src).resolve(), Path(dst)
-    if dst_dir.exists():
-        raise SystemExit(f"error: {dst_dir} exists; remove it first")
-    link_or_copy(src_dir, dst_dir)
+    src_dir, dst_dir = new_twin(src, dst)
     manifest = json.loads((dst_dir / "spectr.json").read_text())
     for entry in manifest["models"].values():
         graph = dst_dir / entry["file"]

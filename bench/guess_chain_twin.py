@@ -18,19 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spectr_edge.bundle import write_manifest  # noqa: E402
-from harness import link_or_copy  # noqa: E402
+from harness import new_twin  # noqa: E402
 
 
 def main(src: str, dst: str) -> None:
-    src_dir, dst_dir = Path(src).resolve(), Path(dst)
-    if dst_dir.exists():
-        raise SystemExit(f"error: {dst_dir} exists; remove it first")
-    manifest = json.loads((src_dir / "spectr.json").read_text())
+    manifest = json.loads((Path(src) / "spectr.json").read_text())
     target = manifest["models"]["target"]
     chain = target.pop("guess_chain", None)
     if chain is None:
-        raise SystemExit(f"error: {src_dir} has no guess chain (spectr-edge export --add-guess-head --out {src})")
-    link_or_copy(src_dir, dst_dir, skip={(src_dir / chain).resolve()})
+        raise SystemExit(f"error: {src} has no guess chain (spectr-edge export --add-guess-head --out {src})")
+    src_dir, dst_dir = new_twin(src, dst, skip={(Path(src) / chain).resolve()})
     target["outputs"].pop("guess_state", None)
     manifest["guess_head"].pop("chain", None)
     manifest["name"] = f"{manifest.get('name', src_dir.name)}-one-guess"

@@ -139,6 +139,15 @@ def p90(xs) -> float:
 LINK_ABOVE = 64 * 2**20   # files larger than this are linked, not copied
 
 
+def new_twin(src: str, dst: str, skip=frozenset()) -> tuple[Path, Path]:
+    """(SRC, DST) of a bundle twin: DST, which must not exist yet, gets SRC's files (link_or_copy)."""
+    src_dir, dst_dir = Path(src).resolve(), Path(dst)
+    if dst_dir.exists():
+        raise SystemExit(f"error: {dst_dir} exists; remove it first")
+    link_or_copy(src_dir, dst_dir, skip)
+    return src_dir, dst_dir
+
+
 def link_or_copy(src_dir: Path, dst_dir: Path, skip=frozenset()) -> None:
     """Recreate src_dir's files under dst_dir: large ones hard-linked (ONNX Runtime refuses external
     data outside the model's folder, symlinks included), small ones copied; `skip`: resolved paths."""

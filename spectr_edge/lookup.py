@@ -76,7 +76,7 @@ class PromptLookup:
         of the guess head's chain: its own acceptance per position, and each guess after the first
         costs chain_cost)."""
         if n == GUESS:
-            return self._guess_rates(length)[-1] if length else 1.0
+            return step_rate(self.cost, self.chain_cost, self._guess_acceptance(length), free=1)
         return step_rate(self.cost, 0.0, [self.acceptance(n)] * length)
 
     def best_length(self, n, available: int) -> int:
@@ -84,23 +84,13 @@ class PromptLookup:
         (policy.best_length with a free drafter and the same acceptance at every position; for the
         guess head's chain, its per-position acceptance and cost). The shortest wins ties."""
         if n == GUESS:
-            rates = [1.0] + self._guess_rates(available)
-            best = 0
-            for length, r in enumerate(rates):
-                if r > rates[best] * (1 + 1e-9):
-                    best = length
-            return best
+            return best_length(self.cost, self.chain_cost, self._guess_acceptance(available), free=1)[0]
         return best_length(self.cost, 0.0, [self.acceptance(n)] * available)[0]
 
-    def _guess_rates(self, upto: int) -> list[float]:
-        """Expected tokens per unit of target time of drafting the first 1 .. upto guesses of the chain.
-        Position j's acceptance (given the earlier ones) is key (GUESS, j), the first one's GUESS."""
-        rates, expected, reach = [], 1.0, 1.0
-        for j in range(upto):
-            reach *= self.key_acceptance(GUESS if j == 0 else (GUESS, j))
-            expected += reach
-            rates.append(expected / (self.cost(j + 2) + self.chain_cost * j))
-        return rates
+    def _guess_acceptance(self, length: int) -> list[float]:
+        """The guess head's acceptance at chain positions 1 .. length, each given the earlier ones:
+        keys GUESS, then (GUESS, j)."""
+        return [self.key_acceptance(GUESS if j == 0 else (GUESS, j)) for j in range(length)]
 
     def propose(self, ids, limit: int, guess: int | None = None, chain=None) -> tuple[list[int], object]:
         """The draft to verify this step (possibly empty) and its statistics key: the n-gram size

@@ -75,20 +75,21 @@ def default_draft_cost(target_bytes: int | None, draft_bytes: int | None) -> flo
     return draft_bytes / target_bytes
 
 
-def step_rate(cost: CostCurve, draft_cost: float, acceptance) -> float:
+def step_rate(cost: CostCurve, draft_cost: float, acceptance, free: int = 0) -> float:
     """Expected tokens per unit of time of a step drafting len(acceptance) tokens; acceptance[j] is
-    the chance position j is accepted given the earlier ones."""
+    the chance position j is accepted given the earlier ones. free: leading drafted tokens that cost
+    no drafting (the guess head's first guess comes with the target's call)."""
     length = len(acceptance)
     expected = 1.0 + float(np.cumprod(np.asarray(acceptance, dtype=np.float64)).sum())
-    return expected / (cost(length + 1) + draft_cost * length)
+    return expected / (cost(length + 1) + draft_cost * max(length - free, 0))
 
 
-def best_length(cost: CostCurve, draft_cost: float, acceptance) -> tuple[int, float]:
+def best_length(cost: CostCurve, draft_cost: float, acceptance, free: int = 0) -> tuple[int, float]:
     """(length, rate): the prefix of `acceptance` worth drafting; length 0 (a plain step, rate 1)
     unless some length beats it. The shortest wins ties."""
     best, best_rate = 0, 1.0
     for length in range(1, len(acceptance) + 1):
-        r = step_rate(cost, draft_cost, acceptance[:length])
+        r = step_rate(cost, draft_cost, acceptance[:length], free)
         if r > best_rate * (1 + 1e-9):
             best, best_rate = length, r
     return best, best_rate
