@@ -21,6 +21,9 @@ own target-only, or another bundle's), group (methods that must fit in memory to
     guess-chain  the int4 bundle's default with the guess head's chain against its twin drafting one guess per
                  step (bench/guess_chain_twin.py: BUNDLE-one-guess), both against the same target-only, and
                  llama.cpp's Q4 decode; --int4-bundle B measures B (any quantized target with a chain)
+    guess-training  the int4 bundle's default against a twin whose guess head was trained in another time
+                 budget (--int4-bundle B: `spectr-edge export --add-guess-head --guess-head-minutes M --out B`
+                 on a twin), both against B's target-only (the same target graph), and llama.cpp's Q4 decode
     prefill      the LM head on the prefill's last position only, against every position (TTFT)
     peers        spectr-edge against ORT GenAI, transformers' assisted generation and llama.cpp
     gpu          target-only, chains, SpecTr k = 4 and draft trees of 16-32 nodes (run with --provider cuda)
@@ -49,7 +52,8 @@ ADAPTATION_PROMPTS = ("de:ids-141,145,149,153,157,381,385,389,393,397,451,457,46
 PROMPTS = {"adaptation": ADAPTATION_PROMPTS, "spectr-grid": "first-20", "peers": "stratified-1",
            "policies": "stratified-1", "trees": "stratified-2",
            "int4-peers": "stratified-8", "int4-tuned": "stratified-2", "precisions": "stratified-2",
-           "prefill": "stratified-2", "guess": "stratified-8", "guess-chain": "stratified-2"}   # each suite's Spec-Bench prompts (default stratified-4)
+           "prefill": "stratified-2", "guess": "stratified-8", "guess-chain": "stratified-2",
+           "guess-training": "stratified-2"}   # each suite's Spec-Bench prompts (default stratified-4)
 
 
 # -- methods --------------------------------------------------------------------------------------
@@ -175,6 +179,15 @@ def _target_quant(bundle) -> str:
         return "int4"
 
 
+def _head_positions(bundle) -> str:
+    """"head of N positions": what the bundle's guess head was trained and held out on."""
+    try:
+        head = json.loads((Path(bundle) / "spectr.json").read_text())["guess_head"]
+        return f"head of {head['train_positions'] + head['heldout_positions']:,} positions"
+    except (OSError, ValueError, KeyError):
+        return "no guess head"
+
+
 def suite(name: str, all_configs: bool = False, other_bundle: str | None = None,
           adapted: list | None = None) -> list[dict]:
     """The methods of suite `name`; other_bundle replaces the int4 twin where a suite uses one; adapted:
@@ -226,6 +239,16 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None,
         one = {**on_bundle(spectr_default(0.0), twin, f"{tag}, one guess per step"),
                "own_baseline": f"spectr-edge T=0 target-only [{tag}]"}
         return precision_rows(int4, tag) + [one, LLAMACPP_Q4()]
+    if name == "guess-training":   # two heads of one target: B's (--int4-bundle) and the int4 bundle's
+        if other_bundle is None:
+            raise SystemExit("error: --suite guess-training compares --int4-bundle B (the int4 bundle's twin with its "
+                             "guess head retrained) with the int4 bundle; give --int4-bundle")
+        tag = f"{_target_quant(int4)} target"
+        own = f"spectr-edge T=0 target-only [{tag}]"
+        mine = {**on_bundle(spectr_default(0.0), int4, f"{tag}, {_head_positions(int4)}"), "own_baseline": own}
+        theirs = {**on_bundle(spectr_default(0.0), INT4_BUNDLE, f"{tag}, {_head_positions(INT4_BUNDLE)}"),
+                  "own_baseline": own}
+        return [on_bundle(spectr(0.0, 0), int4, tag), mine, theirs, LLAMACPP_Q4()]
     if name == "prefill":       # the *-full-logits twins of bench/full_logits_twin.py
         return ([spectr(0.0, 0), spectr_default(0.0)] + precision_rows(FULL_LOGITS, "full logits")
                 + precision_rows(int4, "int4 target") + precision_rows(INT4_FULL_LOGITS, "int4 target, full logits"))
@@ -242,4 +265,4 @@ def suite(name: str, all_configs: bool = False, other_bundle: str | None = None,
                 tree_method(0.0, 32, 8), spectr(1.0, 0), spectr(1.0, 1, 4), spectr(1.0, 4, 4),
                 tree_method(1.0, 16, 5), tree_method(1.0, 32, 6)]
     raise SystemExit(f"error: unknown suite {name!r}; use one of default, policies, precisions, int4-peers, "
-                     "int4-tuned, spectr-grid, trees, guess, guess-chain, prefill, peers, gpu, adaptation")
+                     "int4-tuned, spectr-grid, trees, guess, guess-chain, guess-training, prefill, peers, gpu, adaptation")

@@ -20,6 +20,11 @@ greedy choice at position t + 1 (what it would say after its own next token). A,
 (initialised from the embedding rows) are fitted by cross-entropy with torch (export extra); the
 head's matmuls are 8-bit MatMulNBits with int8 activations, 0.14 ms per call for the 1.5B target.
 
+Training fits a time budget (HEAD_MINUTES, `--guess-head-minutes`): conversation is sampled and
+scored by the target in rounds while 1 - TRAIN_SHARE of it lasts (gather; each round cut to what
+the time left pays for at the rate measured so far, at most HEAD_TOKENS in all), and the epochs
+stop where the budget ends, so a faster machine trains on more text in the same time.
+
 With a chain (CHAIN_DEPTH > 0) the head also returns its state g (`guess_state` # [batch, rows, D]),
 and a small graph beside the target graph (CHAIN_FILE, chain_model) continues from it one guess at
 a time, a recurrent draft head in the manner of ReDrafter (Cheng et al. 2024):
@@ -39,8 +44,10 @@ may differ from x, and the guess is then simply more often rejected).
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -54,12 +61,21 @@ STATE_OUTPUT = "guess_state"      # the head's state g per row, where the chain 
 CHAIN_FILE = "guess_chain.onnx"   # the chain graph, beside the target graph
 CHAIN_DEPTH = 3                   # chain positions trained after the first guess
 HEAD_VOCAB = 4096                 # output classes: the commonest labels in the training text
-HEAD_TOKENS = 32768               # tokens of sampled conversation to train on (int4 1.5B target, held-out
-                                  # agreement: 16,384 -> 0.37, 32,768 -> 0.43; scoring them takes ~7 min)
+HEAD_TOKENS = 32768               # at most this many tokens of conversation to train on (int4 1.5B target on
+                                  # 2 Zen 3 cores, held-out agreement: 17,072 in 15 min -> 0.351; 34,304 -> 0.393)
+HEAD_MINUTES = 15.0               # time budget of training a head at export: getting and scoring text, training
+TRAIN_SHARE = 0.2                 # of it kept for training (the 1.5B int4 target on 2 Zen 3 cores: 6 epochs took
+                                  # 0.19 of the time)
+ROUND_TOKENS = 4096               # conversation got and scored per round
+ROUND_ROWS = 8                    # rows sampled at once in a round (of 512 tokens each): 13.7 ms per token for the
+                                  # 0.5B float32 draft on 2 Zen 3 cores, against 12.4 with 32 rows
+MIN_ROUND_TOKENS = 256            # a shorter last round is not started
 HEAD_BITS = 8                     # MatMulNBits bits of the head's matmuls
 HEAD_ACCURACY_LEVEL = 4           # int8 activations: 0.14 ms for the 1.5B target's head, against 16 ms at
                                   # level 0/1 (ONNX Runtime's 8-bit float path) and 1.2 ms in float32
 HEAD_EPOCHS = 6
+LR = 1e-3                         # AdamW's, falling to 0 along a cosine (held-out agreement on 13,024 positions
+                                  # of the 1.5B int4 target: 0.325 against 0.293 at a constant 1e-3)
 PREFIX = GUESS_HEAD_PREFIX
 
 
@@ -99,11 +115,12 @@ def _embedding(model, input_ids: str, path: Path) -> np.ndarray:
     return np.frombuffer(raw, np.float32).reshape(list(tensor.dims))
 
 
-def collect(spec, rows: list[list[int]], vocab_size: int, log=print,
-            threads: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per row of at least 3 tokens: (hidden # [n, D], greedy # [n]), the target's LM-head input at
-    each position and its greedy choice there (among the first vocab_size ids), i.e. the token it
-    would say next. One call per row, empty past."""
+@contextmanager
+def _scorer(spec, vocab_size: int, threads: int | None = None):
+    """score(row) -> (hidden # [n, D], greedy # [n]): the target's LM-head input at each position of a
+    token row and its greedy choice there (among the first vocab_size ids), i.e. the token it would
+    say next. One call per row, empty past; the probe graph (the target graph with its hidden state
+    as an extra output) exists only inside the block."""
     import onnx
     import onnxruntime as ort
 
@@ -115,19 +132,16 @@ def collect(spec, rows: list[list[int]], vocab_size: int, log=print,
     probe = spec.file.with_name(spec.file.stem + ".hidden.onnx")
     save_graph_beside(model, spec.file, probe, "probe")
     sess = None
-    out: list[tuple[np.ndarray, np.ndarray]] = []
     try:
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         if threads:
             opts.intra_op_num_threads = threads
         sess = ort.InferenceSession(str(probe), opts, providers=["CPUExecutionProvider"])
-        started, scored, total = time.perf_counter(), 0, sum(len(row) for row in rows if len(row) >= 3)
-        for r, row in enumerate(rows):
+
+        def score(row: list[int]) -> tuple[np.ndarray, np.ndarray]:
             ids = np.asarray(row, dtype=np.int64)
             n = len(ids)
-            if n < 3:
-                continue
             feed = {spec.input_ids: ids[None]}
             if spec.position_ids:
                 feed[spec.position_ids] = np.arange(n, dtype=np.int64)[None]
@@ -141,20 +155,64 @@ def collect(spec, rows: list[list[int]], vocab_size: int, log=print,
             for k, v in spec.past:
                 feed[k], feed[v] = empty, empty
             logits, h = sess.run([spec.logits, hidden], feed)
-            out.append((np.asarray(h[0], dtype=np.float32), logits[0, :, :vocab_size].argmax(-1).astype(np.int64)))
-            scored += n
-            if (r + 1) % 16 == 0:
-                spent = time.perf_counter() - started
-                log(f"      scored {scored} of {total} positions ({spent:.0f} s, about "
-                    f"{spent * (total - scored) / scored:.0f} s left)")
+            return np.asarray(h[0], dtype=np.float32), logits[0, :, :vocab_size].argmax(-1).astype(np.int64)
+
+        yield score
     finally:
         del sess                                            # before its graph file goes
         probe.unlink(missing_ok=True)
+
+
+def rows_from(rows: list[list[int]]):
+    """next_rows for gather from token rows already at hand: each call takes the next rows holding
+    about the tokens asked for (whole rows); [] once they are used up."""
+    it = iter(rows)
+
+    def next_rows(tokens: int, _round: int) -> list[list[int]]:
+        take, total = [], 0
+        for row in it:
+            take.append(row)
+            total += len(row)
+            if total >= tokens:
+                break
+        return take
+    return next_rows
+
+
+def gather(spec, next_rows, vocab_size: int, seconds: float, max_tokens: int = HEAD_TOKENS, log=print,
+           threads: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per row of at least 3 tokens: (hidden # [n, D], greedy # [n]) (_scorer's), for rows from
+    next_rows(tokens, round) (sampled on demand, or rows_from's), in rounds of ROUND_TOKENS until
+    max_tokens are scored or `seconds` are spent. Each round after the first is cut to what the time
+    left pays for at the rate measured so far (getting and scoring rows), so the time is kept without
+    rows got and left unscored; the first round always runs."""
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    started, scored, cost = time.perf_counter(), 0, None
+    with _scorer(spec, vocab_size, threads) as score:
+        for r in itertools.count():
+            left = seconds - (time.perf_counter() - started)
+            want = min(ROUND_TOKENS, max_tokens - scored)
+            if cost is not None:
+                want = min(want, int(left / cost))
+            if want < MIN_ROUND_TOKENS and (out or want <= 0):
+                break
+            rows = next_rows(want, r)
+            if not rows:
+                break
+            for row in rows:
+                if len(row) >= 3:
+                    out.append(score(row))
+                    scored += len(row)
+            spent = time.perf_counter() - started
+            cost = spent / max(scored, 1)
+            ahead = min(max_tokens - scored, max(0.0, seconds - spent) / cost)
+            log(f"      {scored} positions of conversation scored by the target ({spent:.0f} s, "
+                + (f"about {ahead * cost:.0f} s left)" if ahead >= MIN_ROUND_TOKENS else "done)"))
     return out
 
 
 def chain_examples(scored: list[tuple[np.ndarray, np.ndarray]], depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(hidden # [N, D], tokens # [N, depth + 1], labels # [N, depth + 1]) from collect's rows: for
+    """(hidden # [N, D], tokens # [N, depth + 1], labels # [N, depth + 1]) from gather's rows: for
     position t of a row, its hidden state; tokens[:, j] = the target's greedy token at t + 1 + j
     (the token the head reads at chain position j: the first is the one the row chooses, then each
     earlier label); labels[:, j] = the greedy token at t + 2 + j, -1 past the row's end. Positions
@@ -174,7 +232,7 @@ def chain_examples(scored: list[tuple[np.ndarray, np.ndarray]], depth: int) -> t
 
 def train(hidden: np.ndarray, labels: np.ndarray, embedding: np.ndarray, chosen: np.ndarray | None = None,
           vocab: int = HEAD_VOCAB, epochs: int = HEAD_EPOCHS, seed: int = 0, holdout: float = 0.1,
-          log=print, chain: np.ndarray | None = None) -> dict:
+          log=print, chain: np.ndarray | None = None, deadline: float | None = None) -> dict:
     """Fit the head on (hidden # [N, D], labels # [N]); embedding # [vocab_size, D] initialises E and,
     with chosen # [N] (the token each position's row chooses), feeds the block that token's embedding
     through B (EAGLE's idea: the guess knows which token it follows).
@@ -185,6 +243,9 @@ def train(hidden: np.ndarray, labels: np.ndarray, embedding: np.ndarray, chosen:
     Every chain position's cross-entropy counts alike, and gradients flow through the unrolled states
     into A2, B2 and a2 only (training the shared block and output layer on them too cost the first
     guess 0.03 of held-out agreement on the 1.5B int4 target: 0.393 -> 0.360).
+
+    deadline (time.perf_counter()): after the first epoch, only the epochs that end before it at that
+    epoch's pace are run (the learning rate's cosine spans them); "epochs" says how many ran.
 
     The last `holdout` of the positions are held out: "agreement" is the share of them whose guess
     equals the label (what a greedy generation's guess acceptance would be on such text), and
@@ -223,7 +284,7 @@ def train(hidden: np.ndarray, labels: np.ndarray, embedding: np.ndarray, chosen:
         # chain position j reads the previous label's column (the head's own vocabulary) and predicts chain[:, j]
         fed = torch.from_numpy(column[np.concatenate([labels[:, None], chain[:, :-1]], axis=1)])   # [N, J]
         want = torch.from_numpy(column[chain])                                                      # [N, J]
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
 
     def states(rows):
         x = h[rows]
@@ -237,9 +298,8 @@ def train(hidden: np.ndarray, labels: np.ndarray, embedding: np.ndarray, chosen:
         layer are read, not trained, here: the chain's loss moves A2, B2 and a2 only, so the first
         guess is trained exactly as without a chain."""
         out, g, e_out, c_out = [], g.detach(), E.detach(), c.detach()
-        eb = head_emb @ B2                                          # [V, D]
-        for j in range(depth):
-            g = g + torch.nn.functional.silu(g @ A2 + eb[fed[rows, j].clamp(min=0)] + a2)
+        for j in range(depth):      # the fed tokens' rows times B2 (not the whole table: 16x less work)
+            g = g + torch.nn.functional.silu(g @ A2 + head_emb[fed[rows, j].clamp(min=0)] @ B2 + a2)
             out.append(g @ e_out + c_out)
         return out
 
@@ -259,11 +319,23 @@ def train(hidden: np.ndarray, labels: np.ndarray, embedding: np.ndarray, chosen:
     held = torch.arange(cut, n)
     gen = torch.Generator().manual_seed(seed)
     started = time.perf_counter()
-    agreement, chain_agreement = 0.0, []
+    agreement, chain_agreement, ran = 0.0, [], 0
+    batches = -(-len(train_rows) // 256)
+    planned = epochs        # the learning rate falls from LR to 0 along a cosine over the planned epochs' steps
     for epoch in range(epochs):
+        pace = (time.perf_counter() - started) / max(epoch, 1)
+        if epoch == 1 and deadline is not None:       # as many epochs as the budget holds at the first one's pace
+            planned = max(1, min(epochs, 1 + int((deadline - time.perf_counter()) / pace)))
+        if epoch >= planned:
+            log(f"      stopped after {epoch} of {epochs} epochs: the time budget is spent")
+            break
+        ran = epoch + 1
         order = train_rows[torch.randperm(len(train_rows), generator=gen)]
         for i in range(0, len(order), 256):
             batch = order[i:i + 256]
+            step = epoch * batches + i // 256
+            for group in opt.param_groups:
+                group["lr"] = LR * 0.5 * (1 + np.cos(np.pi * min(1.0, step / (planned * batches))))
             loss = loss_of(batch)
             opt.zero_grad()
             loss.backward()
@@ -288,7 +360,7 @@ def train(hidden: np.ndarray, labels: np.ndarray, embedding: np.ndarray, chosen:
               f"{(time.perf_counter() - started) * (epochs - epoch - 1) / (epoch + 1):.0f} s left)")
     with torch.no_grad():
         out = {"A": A.numpy().copy(), "a": a.numpy().copy(), "E": E.numpy().copy(), "c": c.numpy().copy(),
-               "ids": ids.astype(np.int64), "agreement": agreement, "train_positions": int(cut),
+               "ids": ids.astype(np.int64), "agreement": agreement, "epochs": ran, "train_positions": int(cut),
                "heldout_positions": int(n - cut)}
         if chosen_emb is not None:
             out["B"] = B.numpy().copy()
@@ -443,15 +515,18 @@ def remove(model) -> None:
         graph.output.remove(o)
 
 
-def write_head(spec, rows: list[list[int]], vocab_size: int, log=print, threads: int | None = None, seed: int = 0,
+def write_head(spec, next_rows, vocab_size: int, log=print, threads: int | None = None, seed: int = 0,
                vocab: int = HEAD_VOCAB, epochs: int = HEAD_EPOCHS, bits: int = HEAD_BITS,
-               follow_chosen: bool = True, chain_depth: int = CHAIN_DEPTH) -> dict:
-    """Train a guess head for the target `spec` (a bundle ModelSpec) on the token rows, write it into
-    the target graph in place (any earlier head replaced), and return the manifest entry.
-    vocab_size: the tokenizer's ids (logits columns beyond are padding); follow_chosen: the head also
-    reads the embedding of the token its row chooses (train's chosen); chain_depth: chain positions
-    trained after the first guess (0: no chain graph; needs follow_chosen), written as CHAIN_FILE
-    beside the target graph."""
+               follow_chosen: bool = True, chain_depth: int = CHAIN_DEPTH, minutes: float = HEAD_MINUTES,
+               max_tokens: int = HEAD_TOKENS) -> dict:
+    """Train a guess head for the target `spec` (a bundle ModelSpec) on rows of conversation from
+    next_rows (gather's; rows_from(rows) for rows at hand), write it into the target graph in place
+    (any earlier head replaced), and return the manifest entry.
+    minutes: the time budget: gather gets and scores rows (at most max_tokens) for 1 - TRAIN_SHARE of
+    it, training stops its epochs at its end. vocab_size: the tokenizer's ids (logits columns beyond
+    are padding); follow_chosen: the head also reads the embedding of the token its row chooses
+    (train's chosen); chain_depth: chain positions trained after the first guess (0: no chain graph;
+    needs follow_chosen), written as CHAIN_FILE beside the target graph."""
     import onnx
 
     from .writer import save_graph_beside
@@ -462,13 +537,17 @@ def write_head(spec, rows: list[list[int]], vocab_size: int, log=print, threads:
         raise ExportError("the target graph's guess head could not be removed; re-export the bundle")
     chain_depth = chain_depth if follow_chosen else 0
     started = time.perf_counter()
-    scored = collect(spec, rows, vocab_size, log, threads)
+    budget = minutes * 60
+    scored = gather(spec, next_rows, vocab_size, budget * (1 - TRAIN_SHARE), max_tokens, log, threads)
+    if not scored:
+        raise ExportError("no conversation of at least 3 tokens to train the guess head on")
+    tokens_read = sum(len(g) for _, g in scored)
     hidden, tokens, labels = chain_examples(scored, chain_depth)
     del scored
     log(f"      {len(labels)} positions scored by the target ({time.perf_counter() - started:.0f} s)")
     embedding = _embedding(model, spec.input_ids, spec.file)
     params = train(hidden, labels[:, 0], embedding, tokens[:, 0] if follow_chosen else None, vocab, epochs, seed,
-                   log=log, chain=labels[:, 1:] if chain_depth else None)
+                   log=log, chain=labels[:, 1:] if chain_depth else None, deadline=started + budget)
     params["vocab_size"] = vocab_size
     del hidden, embedding
     chain_file = spec.file.with_name(CHAIN_FILE)
@@ -485,7 +564,8 @@ def write_head(spec, rows: list[list[int]], vocab_size: int, log=print, threads:
         chain_file.unlink(missing_ok=True)
     entry = {"output": GUESS_OUTPUT, "vocab": int(len(params["ids"])), "bits": bits,
              "train_positions": params["train_positions"], "heldout_positions": params["heldout_positions"],
-             "heldout_agreement": round(params["agreement"], 4), "epochs": epochs,
+             "heldout_agreement": round(params["agreement"], 4), "epochs": params["epochs"],
+             "tokens": tokens_read, "minutes": round((time.perf_counter() - started) / 60, 1),
              "reads_chosen_token": bool(follow_chosen)}
     if chain_depth:
         entry["chain"] = {"file": CHAIN_FILE, "state_output": STATE_OUTPUT, "trained_positions": chain_depth,
@@ -509,12 +589,14 @@ def record(manifest: dict, entry: dict, target_file: Path) -> None:
     manifest["guess_head"] = entry
 
 
-def add_guess_head_to_bundle(bundle, log=print, tokens: int = HEAD_TOKENS, threads: int | None = None) -> dict:
-    """Train and attach the target's guess head of an existing bundle, from `tokens` tokens of
-    conversation sampled from its draft model (else its target); records it in the manifest."""
+def add_guess_head_to_bundle(bundle, log=print, tokens: int = HEAD_TOKENS, threads: int | None = None,
+                             minutes: float = HEAD_MINUTES) -> dict:
+    """Train and attach the target's guess head of an existing bundle, on conversation sampled from its
+    draft model (else its target) as it goes, in rounds, for about `minutes` in all (at most `tokens`
+    tokens; write_head); records it in the manifest."""
     from spectr_edge.bundle import bundle_from_manifest, write_manifest
     from spectr_edge.onnx_model import OnnxLM
-    from spectr_edge.self_text import sample_conversations
+    from spectr_edge.self_text import sample_conversations, turn_pieces
     from spectr_edge.text import TextCodec
 
     import importlib.util
@@ -527,16 +609,22 @@ def add_guess_head_to_bundle(bundle, log=print, tokens: int = HEAD_TOKENS, threa
     bundle = Path(bundle)
     manifest = existing_manifest(bundle)
     b = bundle_from_manifest(bundle, manifest)
-    sampler = b.draft or b.target
-    log(f"      sampling {tokens} tokens of conversation from the {sampler.role} model")
-    rows = sample_conversations(OnnxLM(sampler, provider="cpu", threads=threads), TextCodec(b.tokenizer),
-                                b.tokenizer.vocab_size, b.tokenizer.eos_token_ids, tokens, seed=1, log=log)
-    if not rows:
+    codec = TextCodec(b.tokenizer)
+    if turn_pieces(codec) is None:
         raise ExportError("the tokenizer has no chat template, so there is no conversation to train a guess head on")
-    entry = write_head(b.target, rows, b.tokenizer.vocab_size, log, threads)
-    entry["source"] = f"{sum(map(len, rows))} tokens of conversation sampled from the {sampler.role} model"
+    sampler = b.draft or b.target
+    model = OnnxLM(sampler, provider="cpu", threads=threads)
+    log(f"      sampling conversation from the {sampler.role} model and scoring it with the target, "
+        f"{minutes:g} minutes in all with the training (at most {tokens} tokens)")
+
+    def next_rows(n: int, r: int) -> list[list[int]]:
+        return sample_conversations(model, codec, b.tokenizer.vocab_size, b.tokenizer.eos_token_ids, n,
+                                    batch=ROUND_ROWS, seed=1 + r)
+
+    entry = write_head(b.target, next_rows, b.tokenizer.vocab_size, log, threads, minutes=minutes, max_tokens=tokens)
+    entry["source"] = f"{entry['tokens']} tokens of conversation sampled from the {sampler.role} model"
     record(manifest, entry, b.target.file)
     write_manifest(bundle, manifest)
     log(f"{bundle}: the target guesses the token after its next one (agreement with its own greedy choice "
-        f"on held-out text: {entry['heldout_agreement']:.3f})")
+        f"on held-out text: {entry['heldout_agreement']:.3f}; {entry['minutes']} min)")
     return entry

@@ -234,19 +234,19 @@ def _first_tokens(rows: list[list[int]], tokens: int) -> list[list[int]]:
     return take
 
 
-def _train_guess_head(bundle: Path, manifest: dict, rows: list[list[int]], source: str, log) -> None:
-    """Train the target's guess head on (the first head.HEAD_TOKENS tokens of) the sampled rows and
-    record it in the manifest; without rows (no chat template) the bundle gets none."""
+def _train_guess_head(bundle: Path, manifest: dict, rows: list[list[int]], source: str, log,
+                      minutes: float = head.HEAD_MINUTES) -> None:
+    """Train the target's guess head on the sampled rows (as many of their first head.HEAD_TOKENS
+    tokens as `minutes` allow: head.write_head) and record it in the manifest; without rows (no chat
+    template) the bundle gets none."""
     from spectr_edge.bundle import bundle_from_manifest
 
-    take = _first_tokens(rows, head.HEAD_TOKENS)
-    total = sum(map(len, take))
-    if not take:
+    if not rows:
         log("      no conversation to train on (the tokenizer has no chat template): no guess head")
         return
     b = bundle_from_manifest(bundle, manifest)
-    entry = head.write_head(b.target, take, b.tokenizer.vocab_size, log)
-    entry["source"] = f"{total} tokens of conversation sampled from {source}"
+    entry = head.write_head(b.target, head.rows_from(rows), b.tokenizer.vocab_size, log, minutes=minutes)
+    entry["source"] = f"{entry['tokens']} tokens of conversation sampled from {source}"
     head.record(manifest, entry, b.target.file)
     log(f"      agreement with the target's own greedy choice on held-out text: {entry['heldout_agreement']:.3f}")
 
@@ -256,7 +256,8 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
                   overwrite: bool = False, tree_mask: bool = True, logits_keep: bool = True,
                   int4_block_size: int = quantize.INT4_BLOCK_SIZE,
                   lookup_conversation_tokens: int | None = None,
-                  guess_head: bool | None = None, log: Callable[[str], None] = _stderr) -> Path:
+                  guess_head: bool | None = None, guess_head_minutes: float = head.HEAD_MINUTES,
+                  log: Callable[[str], None] = _stderr) -> Path:
     """Export a target (and optional draft, or "self" = quantized target) into a bundle at out.
 
     Sources: local HF directory, .gguf file, optimum ONNX directory, hub id, or preset=NAME
@@ -271,7 +272,8 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
     reads it, and none for float targets, whose default (lookup before the draft model) never does.
     guess_head: train the target's guess head on that conversation (at least head.HEAD_TOKENS of it
     are sampled) and write it into the target graph (export/guess_head.py); None: for quantized
-    targets only, whose default drafter (prompt lookup) uses it.
+    targets only, whose default drafter (prompt lookup) uses it. guess_head_minutes: the time budget
+    of scoring that conversation with the target and training the head.
     Raises ExportError (one line) on any user-fixable problem; out is then left untouched.
     """
     out = Path(out).expanduser().absolute()
@@ -343,7 +345,7 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
                                                                        int(manifest["tokenizer"]["vocab_size"]))
         if guess_head:
             with progress.step("training the target's guess head"):
-                _train_guess_head(bundle, manifest, rows, source, log)
+                _train_guess_head(bundle, manifest, rows, source, log, guess_head_minutes)
         writer.write_manifest(bundle, manifest)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     log(f"bundle {out} written ({size / 1e6:.1f} MB) in {time.perf_counter() - t_start:.1f} s")

@@ -428,19 +428,21 @@ def tune(bundle, provider, threads, repeats, dry_run, no_choose, calibration_tok
               help="(Re)build prompt lookup's static next-token table of the existing bundle at --out "
                    "(new exports have it).")
 @click.option("--add-guess-head", is_flag=True,
-              help="Train the target's guess head for the existing bundle at --out (~30 min for a 1.5B target on "
-                   "2 cores): the target graph also guesses the token after its next one, prompt lookup's "
-                   "free draft on int4/int8/w8a8 targets, and a small chain graph the tokens after it. "
-                   "Replaces an earlier head.")
+              help="Train the target's guess head for the existing bundle at --out (for --guess-head-minutes): "
+                   "the target graph also guesses the token after its next one, prompt lookup's free draft on "
+                   "int4/int8/w8a8 targets, and a small chain graph the tokens after it. Replaces an earlier head.")
 @click.option("--guess-head/--no-guess-head", default=None,
               help="Train the target's guess head at export [default: for int4/int8/w8a8 targets, whose "
-                   "default drafter uses it; ~25 min more for a 1.5B target on 2 cores].")
+                   "default drafter uses it].")
+@click.option("--guess-head-minutes", type=click.FloatRange(min=0, min_open=True), default=15.0, show_default=True,
+              help="Time budget of training the guess head (sampling and scoring its text, training): more text "
+                   "fits a faster machine, up to 32,768 tokens.")
 @click.option("--lookup-conversation-tokens", type=click.IntRange(min=0), default=None,
               help="Tokens of conversation sampled from the draft model (else the target) for prompt lookup's "
                    "next-token table, beside the Python library's source (0 = library only) [default: 65,536 "
                    "(~7 min on 2 cores) for quantized targets, whose default drafter reads the table; 0 otherwise].")
 def export(target, draft, preset, out, target_quant, draft_quant, int4_block_size, overwrite, no_tree_mask,
-           add_tree_mask, add_lookup_table, add_guess_head, guess_head, lookup_conversation_tokens):
+           add_tree_mask, add_lookup_table, add_guess_head, guess_head, guess_head_minutes, lookup_conversation_tokens):
     """Export a target (and draft) model into a bundle."""
     onnx_sources = all(s is None or s == "self" or (Path(s).expanduser() / "model.onnx").is_file()
                        for s in (target, draft)) and not preset
@@ -459,7 +461,7 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
         from .bundle import read_bundle
         read_bundle(out)                           # a clear error for a missing or corrupt bundle
         from spectr_edge_export.guess_head import add_guess_head_to_bundle
-        add_guess_head_to_bundle(out, log=click.echo)
+        add_guess_head_to_bundle(out, log=click.echo, minutes=guess_head_minutes)
         return
     if add_lookup_table:
         if preset or target or add_tree_mask:
@@ -487,6 +489,7 @@ def export(target, draft, preset, out, target_quant, draft_quant, int4_block_siz
         options["int4_block_size"] = int(int4_block_size)
     path = exporter.export_bundle(out, target=target, draft=draft, preset=preset, overwrite=overwrite,
                                   tree_mask=not no_tree_mask, guess_head=guess_head,
+                                  guess_head_minutes=guess_head_minutes,
                                   lookup_conversation_tokens=lookup_conversation_tokens, **options)
     click.echo(f"bundle written to {path}")
 

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import onnx
@@ -106,6 +107,52 @@ def test_chain_examples_follow_each_row_and_stop_at_its_end():
     np.testing.assert_array_equal(labels[5], [22, -1, -1])
 
 
+def test_training_stops_its_epochs_at_the_deadline():
+    """Without a deadline every epoch runs; with one already passed only the first, and it says so."""
+    rng = np.random.default_rng(0)
+    d, n, vocab_size = 16, 600, 50
+    hidden = rng.normal(size=(n, d)).astype(np.float32)
+    labels = rng.integers(0, vocab_size, n)
+    emb = rng.normal(size=(vocab_size, d)).astype(np.float32)
+    assert guess_head.train(hidden, labels, emb, epochs=3, log=lambda s: None)["epochs"] == 3
+    said: list[str] = []
+    bound = guess_head.train(hidden, labels, emb, epochs=3, log=said.append, deadline=time.perf_counter())
+    assert bound["epochs"] == 1 and "stopped after 1 of 3 epochs" in said[-1], said
+
+
+def test_gather_scores_rows_within_its_token_cap_and_time_budget(tiny_bundle, tmp_path):
+    """gather scores what next_rows gives (hidden state and the target's own greedy token at each
+    position, as a plain prefill computes them), stops at max_tokens, and with its time spent after
+    the first round asks for no second one."""
+    from spectr_edge.bundle import read_bundle
+    from spectr_edge.onnx_model import OnnxLM
+
+    out = tmp_path / "bundle"                 # the scoring graph is written beside the target graph
+    shutil.copytree(tiny_bundle, out)
+    b = read_bundle(out)
+    vocab = b.tokenizer.vocab_size
+    rows = [[1 + (i * 7 + j * 3) % 97 for j in range(100)] for i in range(120)]    # 12,000 tokens
+
+    def source():
+        asked: list[int] = []
+        take = guess_head.rows_from(rows)
+        return asked, lambda n, r: (asked.append(n), take(n, r))[1]
+
+    asked, next_rows = source()
+    capped = guess_head.gather(b.target, next_rows, vocab, seconds=1e6, max_tokens=1000, log=lambda s: None)
+    assert asked == [1000] and sum(len(g) for _, g in capped) == 1000
+    target = OnnxLM(b.target, provider="cpu", threads=1)
+    logits = target.forward(np.asarray([rows[3]], dtype=np.int64), target.new_cache())[0]
+    h, greedy = capped[3]
+    assert h.shape[0] == len(greedy) == 100
+    np.testing.assert_array_equal(greedy, logits[-100:, :vocab].argmax(-1))
+    asked, next_rows = source()
+    spent = guess_head.gather(b.target, next_rows, vocab, seconds=1e-9, max_tokens=12000, log=lambda s: None)
+    assert asked == [guess_head.ROUND_TOKENS], asked          # the first round always runs, then no more
+    assert sum(len(g) for _, g in spent) == 4100              # whole rows: 41 of 100 tokens
+    assert not list(out.rglob("*.hidden.onnx"))               # the scoring graph is gone
+
+
 def test_exported_bundle_has_a_trained_head(tiny_qwen_bundle):
     """The export trained a head on conversation from the tiny draft; it beats the table's kind of
     guess by far on held-out text (the tiny models are near-deterministic, so it can learn them)."""
@@ -115,6 +162,8 @@ def test_exported_bundle_has_a_trained_head(tiny_qwen_bundle):
     assert b.target.guess == guess_head.GUESS_OUTPUT
     entry = b.manifest["guess_head"]
     assert entry["train_positions"] > 1000 and entry["heldout_positions"] > 100
+    assert entry["epochs"] == guess_head.HEAD_EPOCHS and entry["tokens"] > entry["train_positions"]
+    assert 0 <= entry["minutes"] <= guess_head.HEAD_MINUTES
     assert entry["heldout_agreement"] > 0.3, entry
     graph = onnx.load(str(b.target.file), load_external_data=False).graph
     assert sum(o.name == guess_head.GUESS_OUTPUT for o in graph.output) == 1
@@ -183,12 +232,13 @@ def test_lookup_with_guess_head_is_exact_greedy_and_uses_the_right_row(tiny_qwen
 
 def test_add_guess_head_replaces_the_head_in_place(tiny_bundle, tmp_path):
     """`spectr-edge export --add-guess-head` on an existing bundle: one head (the old one replaced),
-    the manifest records it, `info` reports it; a second run leaves one head too."""
+    the manifest records it, `info` reports it; a second run, with a time budget (--guess-head-minutes)
+    spent by its first round of text, trains one epoch and leaves one head too."""
     out = tmp_path / "bundle"
     shutil.copytree(tiny_bundle, out)
     cli = [sys.executable, "-m", "spectr_edge.cli"]
-    for _ in range(2):
-        res = subprocess.run(cli + ["export", "--add-guess-head", "--out", str(out)], capture_output=True,
+    for budget in ([], ["--guess-head-minutes", "0.005"]):
+        res = subprocess.run(cli + ["export", "--add-guess-head", "--out", str(out)] + budget, capture_output=True,
                              text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-2000:]
         assert "held-out" in res.stdout
@@ -196,8 +246,12 @@ def test_add_guess_head_replaces_the_head_in_place(tiny_bundle, tmp_path):
         assert sum(o.name == guess_head.GUESS_OUTPUT for o in graph.output) == 1
         assert sum(n.name.startswith(guess_head.PREFIX) for n in graph.node) == 15   # with the state's Identity
         assert (out / "target" / guess_head.CHAIN_FILE).is_file()
-        entry = json.loads((out / "spectr.json").read_text())["models"]["target"]
+        manifest = json.loads((out / "spectr.json").read_text())
+        entry = manifest["models"]["target"]
         assert entry["outputs"]["guess"] == guess_head.GUESS_OUTPUT
+        assert manifest["guess_head"]["epochs"] == (1 if budget else guess_head.HEAD_EPOCHS), manifest["guess_head"]
+        tokens = manifest["guess_head"]["tokens"]      # one round of text within the budget, all of it without
+        assert tokens < 2 * guess_head.ROUND_TOKENS if budget else tokens >= guess_head.HEAD_TOKENS, tokens
         assert entry["size_bytes"] == sum(f.stat().st_size for f in (out / "target").glob("model.onnx*"))
     info = subprocess.run(cli + ["info", "--bundle", str(out)], capture_output=True, text=True, timeout=120)
     assert "guess head: the target guesses" in info.stdout, info.stdout
