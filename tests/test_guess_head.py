@@ -237,7 +237,7 @@ def test_add_guess_head_replaces_the_head_in_place(tiny_bundle, tmp_path):
     out = tmp_path / "bundle"
     shutil.copytree(tiny_bundle, out)
     cli = [sys.executable, "-m", "spectr_edge.cli"]
-    for budget in ([], ["--guess-head-minutes", "0.005"]):
+    for budget in ([], ["--guess-head-minutes", "0.0001"]):
         res = subprocess.run(cli + ["export", "--add-guess-head", "--out", str(out)] + budget, capture_output=True,
                              text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-2000:]
