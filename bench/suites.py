@@ -171,21 +171,24 @@ def peers_suite(int4_bundle) -> list[dict]:
     return [{**m, "group": g} for g, ms in groups.items() for m in ms]
 
 
+def _manifest(bundle) -> dict:
+    """The bundle's manifest, {} when it cannot be read (yet)."""
+    try:
+        return json.loads((Path(bundle) / "spectr.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def _target_quant(bundle) -> str:
     """The bundle's target precision as its manifest names it (int4 when it cannot be read yet)."""
-    try:
-        return json.loads((Path(bundle) / "spectr.json").read_text())["models"]["target"].get("quant", "none")
-    except (OSError, ValueError, KeyError):
-        return "int4"
+    target = _manifest(bundle).get("models", {}).get("target")
+    return target.get("quant", "none") if target else "int4"
 
 
 def _head_positions(bundle) -> str:
     """"head of N positions": what the bundle's guess head was trained and held out on."""
-    try:
-        head = json.loads((Path(bundle) / "spectr.json").read_text())["guess_head"]
-        return f"head of {head['train_positions'] + head['heldout_positions']:,} positions"
-    except (OSError, ValueError, KeyError):
-        return "no guess head"
+    head = _manifest(bundle).get("guess_head")
+    return f"head of {head['train_positions'] + head['heldout_positions']:,} positions" if head else "no guess head"
 
 
 def suite(name: str, all_configs: bool = False, other_bundle: str | None = None,

@@ -163,20 +163,25 @@ def _scorer(spec, vocab_size: int, threads: int | None = None):
         probe.unlink(missing_ok=True)
 
 
-def rows_from(rows: list[list[int]]):
-    """next_rows for gather from token rows already at hand: each call takes the next rows holding
-    about the tokens asked for (whole rows); [] once they are used up."""
-    it = iter(rows)
-
-    def next_rows(tokens: int, _round: int) -> list[list[int]]:
-        take, total = [], 0
-        for row in it:
-            take.append(row)
-            total += len(row)
-            if total >= tokens:
-                break
+def first_rows(rows, tokens: int) -> list[list[int]]:
+    """The leading rows of `rows` (a list, or an iterator that is advanced) holding at least `tokens`
+    tokens, whole rows (the last may overshoot); all of them if they hold fewer."""
+    take, total = [], 0
+    if tokens <= 0:
         return take
-    return next_rows
+    for row in rows:
+        take.append(row)
+        total += len(row)
+        if total >= tokens:
+            break
+    return take
+
+
+def rows_from(rows: list[list[int]]):
+    """next_rows for gather from token rows already at hand: each call takes the next first_rows for
+    the tokens asked for; [] once they are used up."""
+    it = iter(rows)
+    return lambda tokens, _round: first_rows(it, tokens)
 
 
 def gather(spec, next_rows, vocab_size: int, seconds: float, max_tokens: int = HEAD_TOKENS, log=print,
@@ -323,8 +328,8 @@ def train(hidden: np.ndarray, labels: np.ndarray, embedding: np.ndarray, chosen:
     batches = -(-len(train_rows) // 256)
     planned = epochs        # the learning rate falls from LR to 0 along a cosine over the planned epochs' steps
     for epoch in range(epochs):
-        pace = (time.perf_counter() - started) / max(epoch, 1)
         if epoch == 1 and deadline is not None:       # as many epochs as the budget holds at the first one's pace
+            pace = time.perf_counter() - started
             planned = max(1, min(epochs, 1 + int((deadline - time.perf_counter()) / pace)))
         if epoch >= planned:
             log(f"      stopped after {epoch} of {epochs} epochs: the time budget is spent")
@@ -357,7 +362,7 @@ def train(hidden: np.ndarray, labels: np.ndarray, embedding: np.ndarray, chosen:
         log(f"      epoch {epoch + 1}/{epochs}: held-out agreement {agreement:.3f}"
             + (", chain " + " ".join(f"{x:.2f}" for x in chain_agreement) if depth else "")
             + f" ({time.perf_counter() - started:.0f} s, about "
-              f"{(time.perf_counter() - started) * (epochs - epoch - 1) / (epoch + 1):.0f} s left)")
+              f"{(time.perf_counter() - started) * (max(planned, epoch + 1) - epoch - 1) / (epoch + 1):.0f} s left)")
     with torch.no_grad():
         out = {"A": A.numpy().copy(), "a": a.numpy().copy(), "E": E.numpy().copy(), "c": c.numpy().copy(),
                "ids": ids.astype(np.int64), "agreement": agreement, "epochs": ran, "train_positions": int(cut),

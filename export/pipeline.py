@@ -223,17 +223,6 @@ def _total_steps(plan: Plan, tree: bool = False) -> int:
     return n
 
 
-def _first_tokens(rows: list[list[int]], tokens: int) -> list[list[int]]:
-    """The leading rows that hold about `tokens` tokens (whole rows, the last may overshoot)."""
-    take, total = [], 0
-    for row in rows:
-        if total >= tokens:
-            break
-        take.append(row)
-        total += len(row)
-    return take
-
-
 def _train_guess_head(bundle: Path, manifest: dict, rows: list[list[int]], source: str, log,
                       minutes: float = head.HEAD_MINUTES) -> None:
     """Train the target's guess head on the sampled rows (as many of their first head.HEAD_TOKENS
@@ -339,7 +328,7 @@ def export_bundle(out: str | Path, *, target: str | None = None, draft: str | No
                 if lookup_conversation_tokens > 0:
                     manifest["lookup_table"] = ngram_table.table_with_conversation(
                         bundle, manifest, lookup_conversation_tokens, log,
-                        rows=_first_tokens(rows, lookup_conversation_tokens), source=source)
+                        rows=head.first_rows(rows, lookup_conversation_tokens), source=source)
                 else:
                     manifest["lookup_table"] = ngram_table.write_table(bundle, bundle / "tokenizer.json",
                                                                        int(manifest["tokenizer"]["vocab_size"]))
